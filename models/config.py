@@ -1,0 +1,171 @@
+"""Architecture config (`ModelConfig`) and the named flavors.
+
+A flavor is a function-free dict entry built from a base with `model_copy(update=...)`,
+so variants never copy-paste whole edit lists.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ModelConfig(BaseModel):
+    """Architecture of a GPT/Llama-family decoder (dense or MoE).
+
+    Field names follow Megatron-Core's `TransformerConfig` where one exists, so
+    `models.build.transformer_config` reads as a plain mapping.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    # None means multi-head attention (one KV head per query head).
+    num_query_groups: Optional[int] = Field(default=None, gt=0)
+    # None means hidden_size // num_attention_heads.
+    kv_channels: Optional[int] = Field(default=None, gt=0)
+    vocab_size: int = Field(gt=0)
+    # Vocab is padded to a multiple of this so TP can split it. Unlike Megatron-LM we do NOT
+    # multiply by TP: the padded size (and so the loss over padded logits) must not change
+    # with the layout, or layouts could not be compared step for step. TP must divide it.
+    make_vocab_size_divisible_by: int = Field(default=128, gt=0)
+    max_seq_length: int = Field(gt=0)
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_eps: float = 1e-5
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    rope_base: float = 10000.0
+    # Llama-3.1 style frequency scaling (factor 8, low/high freq factors 1/4, original 8192).
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    tie_embeddings: bool = False
+    init_std: float = Field(default=0.02, gt=0)
+
+    # Mixture of experts (None = dense).
+    num_experts: Optional[int] = Field(default=None, gt=0)
+    moe_router_topk: int = Field(default=2, gt=0)
+    moe_ffn_hidden_size: Optional[int] = Field(default=None, gt=0)
+    moe_shared_expert_hidden_size: Optional[int] = Field(default=None, gt=0)
+    moe_aux_loss_coeff: float = 1e-2
+    moe_z_loss_coeff: Optional[float] = None
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> "ModelConfig":
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups} must divide "
+                f"num_attention_heads={self.num_attention_heads}; valid: "
+                f"{divisors(self.num_attention_heads)}"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; set kv_channels explicitly or change one of them"
+            )
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
+            )
+        return self
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return math.ceil(self.vocab_size / m) * m
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+_LLAMA2_7B = ModelConfig(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
+    vocab_size=32000, max_seq_length=4096, norm_eps=1e-5, rope_base=10000.0,
+)
+_LLAMA3_8B = ModelConfig(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+    num_query_groups=8, vocab_size=128256, max_seq_length=8192, norm_eps=1e-5,
+    rope_base=500000.0,
+)
+_TINY_LLAMA = ModelConfig(
+    # GQA (8 heads, 2 groups), RoPE, SwiGLU, RMSNorm, untied; vocab 4000 pads to 4096.
+    num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=8,
+    num_query_groups=2, vocab_size=4000, max_seq_length=256, norm_eps=1e-5,
+    rope_base=10000.0,
+)
+
+FLAVORS: dict[str, ModelConfig] = {
+    "llama2-7b": _LLAMA2_7B,
+    "llama3-8b": _LLAMA3_8B,
+    "llama3-70b": _LLAMA3_8B.model_copy(
+        update=dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64)
+    ),
+    "llama3.1-405b": _LLAMA3_8B.model_copy(
+        update=dict(num_layers=126, hidden_size=16384, ffn_hidden_size=53248,
+                    num_attention_heads=128, max_seq_length=131072, rope_scaling=True)
+    ),
+    "gpt3-175b": ModelConfig(
+        num_layers=96, hidden_size=12288, ffn_hidden_size=49152, num_attention_heads=96,
+        vocab_size=50257, max_seq_length=2048, normalization="LayerNorm", activation="gelu",
+        position_embedding="learned_absolute", add_bias_linear=True, add_qkv_bias=True,
+        tie_embeddings=True, init_std=0.006,
+    ),
+    "mixtral-8x7b": _LLAMA2_7B.model_copy(
+        update=dict(ffn_hidden_size=14336, num_query_groups=8, max_seq_length=32768,
+                    rope_base=1000000.0, num_experts=8, moe_router_topk=2)
+    ),
+    "tiny-llama": _TINY_LLAMA,
+    # 8 layers so PP2 x VPP2 and PP4 x VPP2 both have whole layers per stage.
+    "tiny-llama-8l": _TINY_LLAMA.model_copy(update=dict(num_layers=8)),
+    "tiny-llama-tied": _TINY_LLAMA.model_copy(update=dict(tie_embeddings=True)),
+    "tiny-gpt": ModelConfig(
+        num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
+        vocab_size=4000, max_seq_length=256, normalization="LayerNorm", activation="gelu",
+        position_embedding="learned_absolute", add_bias_linear=True, add_qkv_bias=True,
+        tie_embeddings=True,
+    ),
+    "tiny-moe": _TINY_LLAMA.model_copy(
+        update=dict(num_experts=4, moe_router_topk=2, ffn_hidden_size=256)
+    ),
+}
+
+
+def get_flavor(name: str) -> ModelConfig:
+    """The named flavor; unknown names list the valid ones."""
+    try:
+        return FLAVORS[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(name, FLAVORS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"unknown model flavor {name!r}.{hint} Valid flavors: {', '.join(sorted(FLAVORS))}"
+        ) from None

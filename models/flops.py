@@ -1,0 +1,107 @@
+"""Parameter counts and FLOPs: the one place both training metrics and the planner use.
+
+Notation: L layers, h hidden, f FFN hidden, n heads, g query groups, d head dim,
+V padded vocab, s sequence length, k router top-k, E experts.
+A matmul of (m x k) by (k x n) costs 2mkn FLOPs. Training = forward + backward
+= 3 x forward (backward computes input and weight gradients, 2 x forward).
+Activation recompute is not counted (these are *model* FLOPs, as MFU is defined
+in PaLM, Appendix B, and Megatron-LM's `num_floating_point_operations`).
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+
+
+def attention_params(m: ModelConfig) -> int:
+    """QKV projection h x (n d + 2 g d), output projection n d x h, plus biases."""
+    d, n, g, h = m.head_dim, m.num_attention_heads, m.query_groups, m.hidden_size
+    qkv_out = n * d + 2 * g * d
+    count = h * qkv_out + n * d * h
+    if m.add_qkv_bias:
+        count += qkv_out
+    if m.add_bias_linear:
+        count += h
+    return count
+
+
+def mlp_params(m: ModelConfig, ffn: int) -> int:
+    """fc1 h x f (x2 for the gate of SwiGLU), fc2 f x h, plus biases."""
+    h = m.hidden_size
+    fc1_out = ffn * (2 if m.gated else 1)
+    count = h * fc1_out + ffn * h
+    if m.add_bias_linear:
+        count += fc1_out + h
+    return count
+
+
+def norm_params(m: ModelConfig) -> int:
+    """RMSNorm has a weight; LayerNorm a weight and a bias."""
+    return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
+
+
+def layer_params(m: ModelConfig) -> int:
+    """One transformer layer: two norms, attention, MLP (or router + experts)."""
+    count = 2 * norm_params(m) + attention_params(m)
+    if m.is_moe:
+        count += m.hidden_size * m.num_experts  # router
+        count += m.num_experts * mlp_params(m, m.expert_ffn_hidden_size)
+        if m.moe_shared_expert_hidden_size:
+            count += mlp_params(m, m.moe_shared_expert_hidden_size)
+    else:
+        count += mlp_params(m, m.ffn_hidden_size)
+    return count
+
+
+def embedding_params(m: ModelConfig) -> int:
+    """Word embeddings V x h (+ learned positions s x h)."""
+    count = m.padded_vocab_size * m.hidden_size
+    if m.position_embedding == "learned_absolute":
+        count += m.max_seq_length * m.hidden_size
+    return count
+
+
+def output_params(m: ModelConfig) -> int:
+    """Final norm, plus the output projection h x V unless tied to the embedding."""
+    count = norm_params(m)
+    if not m.tie_embeddings:
+        count += m.padded_vocab_size * m.hidden_size
+    return count
+
+
+def total_params(m: ModelConfig) -> int:
+    return embedding_params(m) + m.num_layers * layer_params(m) + output_params(m)
+
+
+def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True) -> float:
+    """Forward FLOPs for one token (summing every layer and the logits).
+
+    Per layer:
+      QKV projection       2 h (n d + 2 g d)          (GQA: g KV heads, not n)
+      scores Q K^T         2 s n d   x 1/2 if causal  (only the lower triangle is computed)
+      weighted values A V  2 s n d   x 1/2 if causal
+      output projection    2 n d h
+      MLP                  2 h f (3 if SwiGLU: gate, up, down; else 2), per active expert
+                           (MoE: k experts per token, + 2 h E for the router)
+    Logits: 2 h V.
+    """
+    h, n, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    attn_factor = 0.5 if causal else 1.0
+    attention = 2 * h * (n * d + 2 * g * d) + 2 * 2 * seq_length * n * d * attn_factor + 2 * n * d * h
+    mats = 3 if m.gated else 2
+    if m.is_moe:
+        mlp = m.moe_router_topk * 2 * h * m.expert_ffn_hidden_size * mats + 2 * h * m.num_experts
+        if m.moe_shared_expert_hidden_size:
+            mlp += 2 * h * m.moe_shared_expert_hidden_size * mats
+    else:
+        mlp = 2 * h * m.ffn_hidden_size * mats
+    return m.num_layers * (attention + mlp) + 2 * h * m.padded_vocab_size
+
+
+def training_flops_per_token(m: ModelConfig, seq_length: int) -> float:
+    """Forward + backward = 3 x forward."""
+    return 3.0 * forward_flops_per_token(m, seq_length)
+
+
+def training_flops_per_step(m: ModelConfig, seq_length: int, global_batch_size: int) -> float:
+    return training_flops_per_token(m, seq_length) * seq_length * global_batch_size

@@ -1,0 +1,125 @@
+"""Layout-invariant initialisation.
+
+Every parameter's initial value is a function of (seed, global parameter name) only:
+the full (global) tensor is drawn from a generator seeded by a hash of the seed and the
+name with the *global* layer number, then this rank keeps its tensor-parallel shard.
+So TP=1 and TP=4 x PP=2 start from identical weights, and changing the layout at
+step 0 does not change the experiment.
+
+The cost is drawing each full tensor on every TP rank that holds a shard of it; on GPU
+this is a few milliseconds per layer, on CPU it is negligible for the test models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+import torch
+
+from megatron.core import parallel_state
+
+from models.config import ModelConfig
+
+_LAYER_RE = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+_EXPERT_RE = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+# Output-side projections get std / sqrt(2 L) (GPT-2 / Megatron "scaled init").
+_SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
+    """Map each local parameter name of a model chunk to its layout-independent name.
+
+    Local layer indices restart at 0 in every pipeline chunk; Megatron-Core's
+    `TransformerLayer.layer_number` is the global 1-based index, so we rewrite
+    `decoder.layers.<local>.` to `decoder.layers.<global>.`. Local expert indices are
+    rewritten to global ones with the EP rank's offset.
+    """
+    module = chunk.module if hasattr(chunk, "module") else chunk
+    layer_numbers = {}
+    for i, layer in enumerate(module.decoder.layers):
+        layer_numbers[i] = layer.layer_number - 1
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    names = {}
+    for name, _ in module.named_parameters():
+        new = name
+        m = _LAYER_RE.match(new)
+        if m:
+            new = f"{m.group(1)}{layer_numbers[int(m.group(2))]}{m.group(3)}"
+        m = _EXPERT_RE.match(new)
+        if m:
+            local = int(m.group(2))
+            per_rank = _experts_per_rank(module)
+            new = f"{m.group(1)}{ep_rank * per_rank + local}{m.group(3)}"
+        names[name] = new
+    return names
+
+
+def _experts_per_rank(module: torch.nn.Module) -> int:
+    cfg = module.config
+    return cfg.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _tp_rank_world(param: torch.nn.Parameter) -> tuple[int, int]:
+    # Expert weights are split over the expert-TP group, everything else over TP.
+    if not getattr(param, "allreduce", True):
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _local_shard(full: torch.Tensor, param: torch.nn.Parameter, name: str, gated: bool) -> torch.Tensor:
+    """This rank's TP shard of a global tensor, in Megatron-Core's in-memory layout."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    rank, world = _tp_rank_world(param)
+    dim = param.partition_dim
+    if gated and name.endswith("linear_fc1.weight") or gated and name.endswith("linear_fc1.bias"):
+        # SwiGLU fc1 is [gate; up] globally, but each TP rank holds [gate_r; up_r].
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(world, dim=0)[rank], up.chunk(world, dim=0)[rank]], dim=0)
+    return full.chunk(world, dim=dim)[rank]
+
+
+def _global_shape(param: torch.nn.Parameter) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= _tp_rank_world(param)[1]
+    return shape
+
+
+def _draw(name: str, shape: list[int], model: ModelConfig, seed: int, device) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm" in name
+    if leaf == "bias" or leaf.endswith("_bias"):
+        return torch.zeros(shape, device=device)
+    if is_norm:  # norm weights (incl. TE's fused layer_norm_weight)
+        return torch.ones(shape, device=device)
+    std = model.init_std
+    if name.endswith(_SCALED):
+        std = std / math.sqrt(2.0 * model.num_layers)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_seed_for(seed, name))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def initialize_weights(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> None:
+    """Overwrite every parameter of every chunk with its layout-invariant initial value."""
+    for chunk in chunks:
+        names = global_param_names(chunk)
+        module = chunk.module if hasattr(chunk, "module") else chunk
+        for local_name, param in module.named_parameters():
+            name = names[local_name]
+            if model.tie_embeddings and name == "output_layer.weight":
+                # The last stage's copy of a tied embedding must equal the first stage's.
+                name = "embedding.word_embeddings.weight"
+            full = _draw(name, _global_shape(param), model, seed, param.device)
+            param.copy_(_local_shard(full, param, name, model.gated))

@@ -1,0 +1,113 @@
+"""The parallel layout as pure data, validated against a model before any communicator exists.
+
+Rank order follows Megatron-Core's default "tp-cp-ep-dp-pp": TP innermost (consecutive
+ranks share a node's fast links), PP outermost.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from models.config import ModelConfig, divisors
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message names the value and the valid choices."""
+
+
+class ParallelLayout(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    tensor_parallel: int = Field(default=1, gt=0)
+    pipeline_parallel: int = Field(default=1, gt=0)
+    # Model chunks per pipeline rank (interleaved 1F1B); None = plain 1F1B.
+    virtual_pipeline: Optional[int] = Field(default=None, gt=0)
+    context_parallel: int = Field(default=1, gt=0)
+    expert_parallel: int = Field(default=1, gt=0)
+    # None = same as tensor_parallel (Megatron-Core's default).
+    expert_tensor_parallel: Optional[int] = Field(default=None, gt=0)
+    sequence_parallel: bool = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+    @property
+    def vpp(self) -> int:
+        return self.virtual_pipeline or 1
+
+    def data_parallel(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+    def describe(self, world_size: Optional[int] = None) -> str:
+        parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
+        if self.virtual_pipeline:
+            parts.append(f"VPP{self.virtual_pipeline}")
+        if self.context_parallel > 1:
+            parts.append(f"CP{self.context_parallel}")
+        if self.expert_parallel > 1:
+            parts.append(f"EP{self.expert_parallel}")
+        if world_size is not None:
+            parts.append(f"DP{self.data_parallel(world_size)}")
+        if self.sequence_parallel:
+            parts.append("SP")
+        return "x".join(parts)
+
+
+def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
+    """Raise LayoutError naming the first impossible value and listing the valid choices."""
+    tp, pp, cp, ep = (layout.tensor_parallel, layout.pipeline_parallel,
+                      layout.context_parallel, layout.expert_parallel)
+    if world_size % layout.model_parallel_size:
+        valid = [f"{d}" for d in divisors(world_size)]
+        raise LayoutError(
+            f"world size {world_size} is not divisible by TP({tp}) x PP({pp}) x CP({cp}) = "
+            f"{layout.model_parallel_size}; the product must be one of: {', '.join(valid)}"
+        )
+    _check_divides("TP", tp, "num_attention_heads", model.num_attention_heads)
+    _check_divides("TP", tp, "num_query_groups", model.query_groups)
+    _check_divides("TP", tp, "ffn_hidden_size", model.ffn_hidden_size)
+    _check_divides("TP", tp, "padded vocab size", model.padded_vocab_size)
+    stages = pp * layout.vpp
+    if model.num_layers % stages:
+        valid = [d for d in divisors(model.num_layers)]
+        raise LayoutError(
+            f"num_layers={model.num_layers} cannot be split evenly over PP({pp}) x VPP("
+            f"{layout.vpp}) = {stages} model chunks; PP x VPP must be one of {valid}"
+        )
+    if layout.virtual_pipeline and pp == 1:
+        raise LayoutError(
+            f"virtual_pipeline={layout.virtual_pipeline} needs pipeline_parallel > 1 "
+            "(interleaving has nothing to interleave at PP=1); unset virtual_pipeline"
+        )
+    if layout.sequence_parallel and tp == 1:
+        raise LayoutError("sequence_parallel=true needs tensor_parallel > 1; set TP>=2 or turn it off")
+    _validate_moe(model, layout, world_size)
+
+
+def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
+    ep = layout.expert_parallel
+    etp = layout.expert_tensor_parallel or layout.tensor_parallel
+    if not model.is_moe:
+        if ep > 1:
+            raise LayoutError(f"expert_parallel={ep} needs a MoE model (num_experts is unset)")
+        return
+    _check_divides("EP", ep, "num_experts", model.num_experts)
+    # The expert grid (ETP x EP x expert-DP x PP) must tile the same world as the dense one.
+    if world_size % (etp * ep * layout.pipeline_parallel):
+        raise LayoutError(
+            f"world size {world_size} is not divisible by expert TP({etp}) x EP({ep}) x "
+            f"PP({layout.pipeline_parallel}); choose EP from "
+            f"{[d for d in divisors(world_size // layout.pipeline_parallel // etp)]}"
+        )
+    _check_divides("expert TP", etp, "moe ffn hidden size", model.expert_ffn_hidden_size)
+
+
+def _check_divides(axis: str, size: int, what: str, value: int) -> None:
+    if value % size:
+        valid = ", ".join(str(d) for d in divisors(value))
+        raise LayoutError(
+            f"{axis}={size} does not divide {what}={value}; valid {axis}: {valid}"
+        )

@@ -1,0 +1,241 @@
+"""The experiment config: typed, strict sub-configs, YAML + `key=value` overrides.
+
+Unknown keys are errors naming the closest valid key; values are type-checked by pydantic.
+`validate_for_world` checks everything that depends on the world size (layout, batch
+arithmetic) before any process group exists.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from models.config import ModelConfig
+from models.layout import LayoutError, ParallelLayout, validate_layout
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class RuntimeConfig(_Strict):
+    seed: int = 1234
+    spec: Literal["auto", "te", "portable"] = "auto"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Transformer Engine FP8 recipe on GPU (te spec only): "hybrid" = E4M3 fwd, E5M2 bwd.
+    fp8: Optional[Literal["hybrid", "e4m3"]] = None
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(default=3e-4, gt=0)
+    min_lr: float = Field(default=3e-5, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = Field(default=1.0, ge=0)
+    # Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over DP).
+    distributed: bool = True
+    # fp16 only: initial dynamic loss scale.
+    initial_loss_scale: float = 2.0**16
+
+
+class ScheduleConfig(_Strict):
+    train_steps: int = Field(default=100, gt=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    # None = decay over all train_steps.
+    decay_steps: Optional[int] = Field(default=None, gt=0)
+    micro_batch_size: int = Field(default=1, gt=0)
+    global_batch_size: int = Field(default=8, gt=0)
+    seq_length: int = Field(default=256, gt=0)
+    eval_interval: int = Field(default=0, ge=0)  # 0 = never
+    eval_steps: int = Field(default=2, gt=0)
+
+
+class DataConfig(_Strict):
+    # Weighted blend of indexed-dataset prefixes: [[weight, prefix], ...].
+    blend: Optional[list[tuple[float, str]]] = None
+    # The demo corpus shipped with data_pipeline (real English text).
+    demo: bool = False
+    # Megatron-Core's MockGPTDataset (random tokens), for benchmarks and smoke tests.
+    mock: bool = False
+    tokenizer: Optional[str] = None
+    split: str = "969,30,1"
+    cache_dir: Optional[str] = None
+
+
+class CheckpointConfig(_Strict):
+    dir: Optional[str] = None
+    save_interval: int = Field(default=0, ge=0)  # 0 = only at the end (if dir is set)
+    # "auto": newest complete checkpoint if any; "none"; or a path / step number.
+    resume: str = "auto"
+    keep_last: int = Field(default=3, gt=0)
+    async_save: bool = False
+    exit_after_minutes: Optional[float] = Field(default=None, gt=0)
+    on_nan: Literal["skip", "stop"] = "stop"
+
+
+class LoggingConfig(_Strict):
+    run_dir: str = "runs/default"
+    log_interval: int = Field(default=1, gt=0)
+    tensorboard: bool = True
+    # Peak FLOP/s table key for MFU; "auto" picks from the GPU name (none on CPU).
+    device_peak: str = "auto"
+
+
+class ExperimentConfig(_Strict):
+    name: str = "experiment"
+    model: ModelConfig
+    parallel: ParallelLayout = ParallelLayout()
+    runtime: RuntimeConfig = RuntimeConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+class ConfigError(ValueError):
+    """A config value or key that cannot work; the message says which and what would."""
+
+
+def _parse_value(text: str) -> Any:
+    # YAML 1.1 reads "3e-4" as a string; numbers first, then YAML for lists/bools/null.
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text)
+
+
+def _closest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(valid)}"
+
+
+def _set_path(tree: dict, path: str, value: Any, schema: type[BaseModel]) -> None:
+    """Set tree[a][b]... = value, checking every key of the path against the schema."""
+    parts = path.split(".")
+    node, model = tree, schema
+    for i, part in enumerate(parts):
+        fields = list(model.model_fields)
+        if part not in fields:
+            where = ".".join(parts[:i]) or "top level"
+            raise ConfigError(f"unknown config key {path!r} ({part!r} at {where}){_closest(part, fields)}")
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            raise ConfigError(f"config key {'.'.join(parts[:i + 1])!r} is a value, not a section")
+        node = node.setdefault(part, {})
+        model = annotation
+
+
+def _flatten(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            items.extend(_flatten(value, path + "."))
+        else:
+            items.append((path, value))
+    return items
+
+
+def apply_overrides(
+    config: ExperimentConfig, *, yaml_file: Optional[str] = None, overrides: list[str] = ()
+) -> ExperimentConfig:
+    """Layer a YAML file, then `key=value` strings, over a recipe's config."""
+    tree = config.model_dump(mode="python")
+    pairs: list[tuple[str, Any]] = []
+    if yaml_file:
+        path = Path(yaml_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {yaml_file!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {yaml_file!r} must hold a mapping of sections")
+        pairs.extend(_flatten(loaded))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. schedule.train_steps=50)")
+        key, text = item.split("=", 1)
+        pairs.append((key.strip(), _parse_value(text)))
+    for key, value in pairs:
+        _set_path(tree, key, value, ExperimentConfig)
+    try:
+        # JSON validation: strict types, yet lists are accepted for tuples (blend entries).
+        return ExperimentConfig.model_validate_json(json.dumps(tree))
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc)) from None
+
+
+def _format_validation(exc: ValidationError) -> str:
+    lines = ["invalid config:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
+    """Every world-size dependent check, before any process group exists."""
+    try:
+        validate_layout(config.model, config.parallel, world_size)
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    layout, sched = config.parallel, config.schedule
+    dp = layout.data_parallel(world_size)
+    per_step = sched.micro_batch_size * dp
+    if sched.global_batch_size % per_step:
+        valid = [sched.micro_batch_size * dp * k for k in range(1, 5)]
+        raise ConfigError(
+            f"schedule.global_batch_size={sched.global_batch_size} is not divisible by "
+            f"micro_batch_size({sched.micro_batch_size}) x DP({dp}) = {per_step}; "
+            f"valid global batch sizes include {valid}"
+        )
+    microbatches = sched.global_batch_size // per_step
+    if layout.virtual_pipeline and microbatches % layout.pipeline_parallel:
+        raise ConfigError(
+            f"interleaved 1F1B needs the number of microbatches ({microbatches} = global batch "
+            f"{sched.global_batch_size} / (micro batch {sched.micro_batch_size} x DP {dp})) to be "
+            f"a multiple of PP={layout.pipeline_parallel}; e.g. global_batch_size="
+            f"{per_step * layout.pipeline_parallel * max(1, microbatches // layout.pipeline_parallel)}"
+        )
+    if sched.seq_length > config.model.max_seq_length:
+        raise ConfigError(
+            f"schedule.seq_length={sched.seq_length} exceeds model.max_seq_length="
+            f"{config.model.max_seq_length}"
+        )
+    if layout.context_parallel > 1 and sched.seq_length % (2 * layout.context_parallel):
+        raise ConfigError(
+            f"schedule.seq_length={sched.seq_length} must be divisible by 2 x CP = "
+            f"{2 * layout.context_parallel} (load-balanced context parallel split)"
+        )
+    if config.runtime.fp8 and config.runtime.spec == "portable":
+        raise ConfigError("runtime.fp8 needs the Transformer Engine spec; set runtime.spec=te or auto on GPU")
+    if config.optimizer.min_lr > config.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr={config.optimizer.min_lr} exceeds optimizer.lr={config.optimizer.lr}")
+    data = config.data
+    if sum([bool(data.blend), data.demo, data.mock]) != 1:
+        raise ConfigError("set exactly one data source: data.blend=[[w, prefix], ...], data.demo=true or data.mock=true")
+    if data.blend and not data.tokenizer:
+        raise ConfigError("data.blend needs data.tokenizer (the tokenizer the data was preprocessed with)")
+
+
+def num_microbatches(config: ExperimentConfig, world_size: int) -> int:
+    dp = config.parallel.data_parallel(world_size)
+    return config.schedule.global_batch_size // (config.schedule.micro_batch_size * dp)
+
+
+def dump_yaml(config: ExperimentConfig) -> str:
+    return yaml.safe_dump(json.loads(config.model_dump_json()), sort_keys=False)

@@ -1,0 +1,102 @@
+"""Batches for the schedules: datasets from `data_pipeline`, a deterministic DP sampler,
+and per-chunk iterators that resume at a given number of consumed samples.
+
+Every global step consumes samples [consumed, consumed + global_batch) in every layout;
+DP rank r takes micro-batch slice r of each (micro_batch x DP) block, as Megatron-LM's
+pretraining sampler does. So the set of samples in a step does not depend on DP, which
+is what makes DP runs comparable with the single-rank run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+
+from megatron.core import parallel_state
+
+from pretrain.config import ExperimentConfig
+
+
+@dataclasses.dataclass
+class Datasets:
+    train: object
+    valid: Optional[object]
+    tokenizer: object
+
+
+def build_datasets(config: ExperimentConfig, world_size: int) -> Datasets:
+    """Build train/valid datasets on every rank (cached index files are shared)."""
+    from data_pipeline.datasets import build_gpt_datasets
+    from data_pipeline.tokenizers import load_tokenizer
+
+    data, sched = config.data, config.schedule
+    blend = [tuple(item) for item in data.blend] if data.blend else None
+    tokenizer_spec = data.tokenizer
+    cache_dir = data.cache_dir or f"{config.logging.run_dir}/data_cache"
+    if data.demo:
+        from data_pipeline.datasets import ensure_demo_dataset
+
+        prefix, tokenizer_spec = ensure_demo_dataset(f"{cache_dir}/demo")
+        blend = [(1.0, prefix)]
+    tokenizer = load_tokenizer(tokenizer_spec or "byte")
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer_spec!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
+            f"{config.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}"
+        )
+    gbs = sched.global_batch_size
+    n_train = sched.train_steps * gbs
+    n_valid = (sched.train_steps // sched.eval_interval + 1) * sched.eval_steps * gbs if sched.eval_interval else 0
+    train, valid, _ = build_gpt_datasets(
+        blend=blend, split=data.split, seq_length=sched.seq_length, seed=config.runtime.seed,
+        num_samples=(n_train, n_valid, 0), tokenizer=tokenizer, cache_dir=cache_dir, mock=data.mock,
+    )
+    return Datasets(train=train, valid=valid, tokenizer=tokenizer)
+
+
+def _sample_indices(consumed: int, total: int, micro_batch: int, dp_size: int, dp_rank: int) -> Iterator[list[int]]:
+    """Yield this DP rank's micro-batches of sample indices, starting after `consumed`."""
+    block = micro_batch * dp_size
+    start = consumed
+    while start + block <= total:
+        first = start + dp_rank * micro_batch
+        yield list(range(first, first + micro_batch))
+        start += block
+
+
+def _collate(samples: list[dict]) -> dict:
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+
+
+class BatchStream:
+    """Iterator of collated micro-batches over a dataset for this DP rank."""
+
+    def __init__(self, dataset, *, consumed: int, total: int, micro_batch: int):
+        dp_size = parallel_state.get_data_parallel_world_size()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        self._dataset = dataset
+        self._indices = _sample_indices(consumed, min(total, len(dataset)), micro_batch, dp_size, dp_rank)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        indices = next(self._indices)
+        return _collate([self._dataset[i] for i in indices])
+
+
+def chunk_iterators(dataset, config: ExperimentConfig, consumed: int, total: int) -> list[Optional[BatchStream]]:
+    """One stream per model chunk; chunks that neither embed nor compute the loss get None."""
+    streams = []
+    for vp_stage in range(config.parallel.vpp):
+        vp = vp_stage if config.parallel.virtual_pipeline else None
+        needs = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp) or \
+            parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        streams.append(
+            BatchStream(dataset, consumed=consumed, total=total, micro_batch=config.schedule.micro_batch_size)
+            if needs else None
+        )
+    return streams

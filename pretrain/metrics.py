@@ -1,0 +1,156 @@
+"""Step metrics: one readable console line, `metrics.jsonl`, TensorBoard.
+
+Throughput uses `models.flops` (the same formula as the planner), so TFLOP/s and MFU here
+and in `launch.plan` cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from models.config import ModelConfig
+from models.flops import training_flops_per_token
+
+# Dense peak FLOP/s per device (no sparsity), from NVIDIA's H100/H200 datasheets.
+DEVICE_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "h100-sxm": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 66.9},
+    "h100-pcie": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0},
+    "h200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 66.9},
+}
+
+
+def detect_device_peak(key: str, dtype: str, fp8: bool) -> Optional[float]:
+    """Peak TFLOP/s for MFU; None on CPU or an unknown GPU (MFU is then not reported)."""
+    if key == "auto":
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name().lower()
+        if "h200" in name:
+            key = "h200"
+        elif "h100" in name:
+            key = "h100-pcie" if "pcie" in name else "h100-sxm"
+        else:
+            return None
+    table = DEVICE_PEAK_TFLOPS.get(key)
+    if table is None:
+        raise ValueError(f"unknown device {key!r}; known: {', '.join(DEVICE_PEAK_TFLOPS)} or auto")
+    return table["fp8" if fp8 else dtype]
+
+
+def peak_memory_gb() -> float:
+    """GPU: max allocated by torch; CPU: the process's peak resident set."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
+@dataclasses.dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: Optional[float]
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    tflops_per_device: float
+    mfu: Optional[float]
+    peak_mem_gb: float
+    # Time outside forward_backward_func + optimizer step (data, logging), as a fraction.
+    overhead_frac: float
+    skipped: bool = False
+    moe_aux_loss: Optional[float] = None
+
+
+class Throughput:
+    """Turns a step time into tokens/s, TFLOP/s per device and MFU."""
+
+    def __init__(self, model: ModelConfig, seq_length: int, global_batch: int, world_size: int,
+                 peak_tflops: Optional[float]):
+        self.tokens_per_step = seq_length * global_batch
+        self.flops_per_step = training_flops_per_token(model, seq_length) * self.tokens_per_step
+        self.world_size = world_size
+        self.peak = peak_tflops
+
+    def compute(self, step_time: float) -> tuple[float, float, float, Optional[float]]:
+        tps = self.tokens_per_step / step_time
+        tflops = self.flops_per_step / step_time / self.world_size / 1e12
+        mfu = tflops / self.peak if self.peak else None
+        return tps, tps / self.world_size, tflops, mfu
+
+
+class MetricsWriter:
+    """Writes on the logging rank only; other ranks hold a disabled writer."""
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.jsonl = None
+        self.tb = None
+        if not enabled:
+            return
+        path = Path(run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(path / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(path / "tensorboard"))
+
+    def log(self, m: StepMetrics, total_steps: int) -> None:
+        if not self.enabled:
+            return
+        record = dataclasses.asdict(m)
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and value is not None:
+                    self.tb.add_scalar(f"train/{key}", value, m.step)
+        print(format_line(m, total_steps), flush=True)
+
+    def log_eval(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", loss, step)
+        print(f"eval  step {step:>6} | loss {loss:.4f}", flush=True)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+def format_line(m: StepMetrics, total_steps: int) -> str:
+    width = len(str(total_steps))
+    parts = [
+        f"step {m.step:>{width}}/{total_steps}",
+        f"loss {m.loss:.4f}",
+        f"lr {m.lr:.2e}",
+        f"gnorm {m.grad_norm:.3f}" if m.grad_norm is not None else "gnorm   n/a",
+        f"{m.step_time_s * 1000:7.1f} ms",
+        f"{m.tokens_per_s:9.0f} tok/s",
+        f"{m.tflops_per_device:7.3f} TFLOP/s/dev",
+    ]
+    if m.mfu is not None:
+        parts.append(f"MFU {100 * m.mfu:4.1f}%")
+    if m.moe_aux_loss is not None:
+        parts.append(f"aux {m.moe_aux_loss:.4f}")
+    parts.append(f"mem {m.peak_mem_gb:.2f} GB")
+    if m.skipped:
+        parts.append("SKIPPED (non-finite)")
+    return " | ".join(parts)
+
+
+def info(message: str, enabled: bool = True) -> None:
+    if enabled:
+        print(message, file=sys.stdout, flush=True)

@@ -1,0 +1,90 @@
+"""Recipes: functions returning a validated ExperimentConfig. Variants derive from a base.
+
+Production recipes are sized for H100 nodes (8 GPUs each) with the layouts commonly used
+for these models; `launch.plan` can rank alternatives for a different cluster.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable
+
+from models.config import get_flavor
+from models.layout import ParallelLayout
+from pretrain.config import (
+    CheckpointConfig,
+    DataConfig,
+    ExperimentConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    RuntimeConfig,
+    ScheduleConfig,
+)
+
+
+def tiny_llama() -> ExperimentConfig:
+    """A 4-layer GQA Llama that trains on the shipped demo corpus on CPU in minutes."""
+    return ExperimentConfig(
+        name="tiny-llama",
+        model=get_flavor("tiny-llama"),
+        runtime=RuntimeConfig(spec="auto", dtype="fp32"),
+        optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0),
+        schedule=ScheduleConfig(
+            train_steps=300, warmup_steps=20, micro_batch_size=4, global_batch_size=16,
+            seq_length=128, eval_interval=100, eval_steps=2,
+        ),
+        data=DataConfig(demo=True),
+        logging=LoggingConfig(run_dir="runs/tiny-llama", log_interval=10),
+    )
+
+
+def _h100_base(name: str, flavor: str, layout: ParallelLayout, *, seq: int, gbs: int,
+               lr: float, steps: int) -> ExperimentConfig:
+    return ExperimentConfig(
+        name=name,
+        model=get_flavor(flavor),
+        parallel=layout,
+        runtime=RuntimeConfig(spec="auto", dtype="bf16", recompute="selective"),
+        optimizer=OptimizerConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, clip_grad=1.0),
+        schedule=ScheduleConfig(
+            train_steps=steps, warmup_steps=2000, micro_batch_size=1, global_batch_size=gbs,
+            seq_length=seq, eval_interval=1000, eval_steps=10,
+        ),
+        data=DataConfig(mock=True),
+        checkpoint=CheckpointConfig(dir=f"runs/{name}/checkpoints", save_interval=1000, async_save=True),
+        logging=LoggingConfig(run_dir=f"runs/{name}", log_interval=10),
+    )
+
+
+def llama3_8b() -> ExperimentConfig:
+    """Llama-3 8B, 8k context; TP2 keeps activations per GPU modest at seq 8192."""
+    return _h100_base("llama3-8b", "llama3-8b", ParallelLayout(tensor_parallel=2, sequence_parallel=True),
+                      seq=8192, gbs=512, lr=3e-4, steps=250_000)
+
+
+def llama3_70b() -> ExperimentConfig:
+    """Llama-3 70B: TP8 inside a node, PP4 with 5 virtual stages (80 layers = 4 x 5 x 4)."""
+    layout = ParallelLayout(tensor_parallel=8, pipeline_parallel=4, virtual_pipeline=5, sequence_parallel=True)
+    return _h100_base("llama3-70b", "llama3-70b", layout, seq=8192, gbs=512, lr=1.5e-4, steps=500_000)
+
+
+def gpt3_175b() -> ExperimentConfig:
+    """GPT-3 175B (2k context): TP8 x PP16 as in the Megatron-LM scaling paper, VPP 2."""
+    layout = ParallelLayout(tensor_parallel=8, pipeline_parallel=16, virtual_pipeline=3, sequence_parallel=True)
+    return _h100_base("gpt3-175b", "gpt3-175b", layout, seq=2048, gbs=1536, lr=6e-5, steps=300_000)
+
+
+RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
+    "tiny-llama": tiny_llama,
+    "llama3-8b": llama3_8b,
+    "llama3-70b": llama3_70b,
+    "gpt3-175b": gpt3_175b,
+}
+
+
+def get_recipe(name: str) -> ExperimentConfig:
+    if name not in RECIPES:
+        close = difflib.get_close_matches(name, RECIPES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown recipe {name!r}.{hint} Valid recipes: {', '.join(RECIPES)}")
+    return RECIPES[name]()

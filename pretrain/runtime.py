@@ -1,0 +1,110 @@
+"""Runtime start-up: rank discovery (torchrun or Slurm), process groups, Megatron parallel state.
+
+Order: read the environment -> pick the device and backend (NCCL on GPU, gloo on CPU) ->
+install CPU stand-ins if there is no GPU -> init_process_group -> parallel_state ->
+seeds (Python, numpy, torch, Megatron's tensor-parallel RNG tracker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state, tensor_parallel
+
+from models.layout import ParallelLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def read_dist_env(environ: dict | None = None) -> DistEnv:
+    """Rank/world from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/...)."""
+    env = os.environ if environ is None else environ
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                       addr, int(env.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        # One srun task per device; launch.slurm exports MASTER_ADDR/PORT from the allocation.
+        port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                       int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm")
+    return DistEnv(0, 1, 0, addr, int(env.get("MASTER_PORT", 29500)), "single")
+
+
+def world_size_from_env() -> int:
+    return read_dist_env().world_size
+
+
+def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int = 10) -> DistEnv:
+    """Create the process groups and Megatron-Core's parallel state exactly once."""
+    env = read_dist_env()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    else:
+        from pretrain.cpu_support import enable_cpu_execution
+
+        enable_cpu_execution()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor_parallel,
+            pipeline_model_parallel_size=layout.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+            context_parallel_size=layout.context_parallel,
+            expert_model_parallel_size=layout.expert_parallel,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel,
+        )
+    set_seeds(seed)
+    return env
+
+
+def set_seeds(seed: int) -> None:
+    """Same seed on every rank for Python/numpy/torch; Megatron derives TP/EP-specific
+    streams (dropout inside TP regions) from it in its RNG tracker."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_logging_rank() -> bool:
+    """The last pipeline stage's first rank sees the loss; it prints and writes metrics."""
+    if not dist.is_initialized():
+        return True
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0
+    )

@@ -1,0 +1,125 @@
+"""The training loop. Reads top to bottom: step, log, evaluate, checkpoint.
+
+`train_step` runs one global batch through Megatron-Core's schedule
+(`get_forward_backward_func`: no pipelining, 1F1B, or interleaved 1F1B by layout),
+then the optimizer step and the LR schedule, and returns what the loop logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from pretrain.config import ExperimentConfig
+from pretrain.wrap import TrainingState
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of per-token losses and the token count; Megatron divides by the global count.
+
+    Returning (sum, count, report) with `calculate_per_token_loss=True` makes the gradient
+    exactly the mean over every token of the global batch, whatever the DP/microbatch split.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator) if data_iterator is not None else None
+    tokens = position_ids = labels = loss_mask = None
+    if batch is not None:
+        tokens, position_ids = batch["tokens"], batch["position_ids"]
+        labels, loss_mask = batch["labels"], batch["loss_mask"]
+        device = next(model.parameters()).device
+        tokens, position_ids, labels, loss_mask = (
+            t.to(device, non_blocking=True) for t in (tokens, position_ids, labels, loss_mask)
+        )
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss_func, loss_mask)
+
+
+def _reduce_loss(losses: list[dict]) -> Optional[float]:
+    """Global mean loss per token, on the last pipeline stage (None elsewhere)."""
+    if not losses:
+        return None
+    total = torch.stack([d["lm loss"] for d in losses]).sum(0)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(total, group=group)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: Optional[float]  # None on ranks without the last stage
+    grad_norm: Optional[float]
+    lr: float
+    skipped: bool
+    compute_time_s: float  # forward/backward + optimizer
+
+
+def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig,
+                 num_microbatches: int, forward_only: bool) -> list[dict]:
+    sched = config.schedule
+    its = iterators if len(iterators) > 1 else iterators[0]
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=its,
+        model=state.model if len(state.model) > 1 else state.model[0],
+        num_microbatches=num_microbatches,
+        seq_length=sched.seq_length // config.parallel.context_parallel,
+        micro_batch_size=sched.micro_batch_size,
+        decoder_seq_length=sched.seq_length // config.parallel.context_parallel,
+        forward_only=forward_only,
+    )
+
+
+def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
+               num_microbatches: int) -> StepResult:
+    start = time.perf_counter()
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    losses = run_schedule(state, iterators, config, num_microbatches, forward_only=False)
+    loss = _reduce_loss(losses)
+    update_ok, grad_norm, _ = state.optimizer.step()
+    skipped = not update_ok
+    if update_ok:
+        state.scheduler.step(increment=1)
+    lr = state.optimizer.param_groups[0]["lr"]
+    grad_norm = float(grad_norm) if grad_norm is not None else None
+    return StepResult(loss, grad_norm, lr, skipped, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def evaluate(state: TrainingState, iterators: list, config: ExperimentConfig,
+             num_microbatches: int) -> Optional[float]:
+    for chunk in state.model:
+        chunk.eval()
+    total, count = 0.0, 0
+    for _ in range(config.schedule.eval_steps):
+        loss = _reduce_loss(run_schedule(state, iterators, config, num_microbatches, forward_only=True))
+        if loss is not None:
+            total, count = total + loss, count + 1
+    for chunk in state.model:
+        chunk.train()
+    return total / count if count else None
+
+
+def is_finite(value: Optional[float]) -> bool:
+    return value is None or math.isfinite(value)
+
+
+LogFn = Callable[[int, StepResult, float], None]

@@ -1,0 +1,147 @@
+"""Set up a run and train: the top-level flow of `python -m pretrain`.
+
+setup: validate (no process group yet) -> runtime start-up -> build model chunks ->
+wrap for training -> datasets. Then the loop: step, log, evaluate, checkpoint, in that
+order, until train_steps (or a stop request: signal, time limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from models.build import build_model_chunks
+from pretrain.config import ExperimentConfig, dump_yaml, num_microbatches, validate_for_world
+from pretrain.data import build_datasets, chunk_iterators
+from pretrain.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    Throughput,
+    detect_device_peak,
+    info,
+    peak_memory_gb,
+)
+from pretrain.runtime import init_distributed, is_logging_rank, world_size_from_env
+from pretrain.train import evaluate, is_finite, train_step
+from pretrain.wrap import DTYPES, TrainingState, wrap_for_training
+
+
+@dataclasses.dataclass
+class Run:
+    config: ExperimentConfig
+    world_size: int
+    state: TrainingState
+    datasets: object
+    num_microbatches: int
+    writer: MetricsWriter
+    throughput: Throughput
+    log_rank: bool
+
+
+def setup(config: ExperimentConfig) -> Run:
+    world_size = world_size_from_env()
+    validate_for_world(config, world_size)  # before any process group exists
+    env = init_distributed(config.parallel, seed=config.runtime.seed)
+    log_rank = is_logging_rank()
+    run_dir = Path(config.logging.run_dir)
+    if env.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_yaml(config))
+    info(f"[{config.name}] world {world_size} = {config.parallel.describe(world_size)} "
+         f"({env.source}, {'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}), run dir {run_dir}",
+         env.rank == 0)
+    chunks = build_model_chunks(
+        config.model, config.parallel, seed=config.runtime.seed, spec=config.runtime.spec,
+        params_dtype=DTYPES[config.runtime.dtype], recompute=config.runtime.recompute,
+        fp8=config.runtime.fp8,
+    )
+    state = wrap_for_training(chunks, config)
+    datasets = build_datasets(config, world_size)
+    peak = detect_device_peak(config.logging.device_peak, config.runtime.dtype, bool(config.runtime.fp8))
+    sched = config.schedule
+    return Run(
+        config=config, world_size=world_size, state=state, datasets=datasets,
+        num_microbatches=num_microbatches(config, world_size),
+        writer=MetricsWriter(config.logging.run_dir, log_rank, config.logging.tensorboard),
+        throughput=Throughput(config.model, sched.seq_length, sched.global_batch_size, world_size, peak),
+        log_rank=log_rank,
+    )
+
+
+def _broadcast_loss(loss: Optional[float]) -> float:
+    """Every rank learns the step's loss (from the last pipeline stage) for NaN checks."""
+    value = torch.tensor([loss if loss is not None else float("-inf")], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
+    """Train from `start_step` to `schedule.train_steps`; returns the logged metrics."""
+    config, sched = run.config, run.config.schedule
+    gbs = sched.global_batch_size
+    train_iters = chunk_iterators(run.datasets.train, config, start_step * gbs, sched.train_steps * gbs)
+    history: list[StepMetrics] = []
+    last = time.perf_counter()
+    for step in range(start_step + 1, sched.train_steps + 1):
+        result = train_step(run.state, train_iters, config, run.num_microbatches)
+        loss = _broadcast_loss(result.loss)
+        if not is_finite(loss) or not is_finite(result.grad_norm):
+            raise FloatingPointError(
+                f"non-finite loss ({loss}) or grad norm ({result.grad_norm}) at step {step} "
+                f"on rank {dist.get_rank()}; lower optimizer.lr or check the data"
+            )
+        now = time.perf_counter()
+        step_time, last = now - last, now
+        metrics = _step_metrics(run, step, loss, result, step_time)
+        history.append(metrics)
+        if step % config.logging.log_interval == 0 or step == sched.train_steps:
+            run.writer.log(metrics, sched.train_steps)
+        if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
+            _run_eval(run, step)
+            last = time.perf_counter()  # evaluation time is not step time
+    return history
+
+
+def _step_metrics(run: Run, step: int, loss: float, result, step_time: float) -> StepMetrics:
+    tps, tps_dev, tflops, mfu = run.throughput.compute(step_time)
+    return StepMetrics(
+        step=step, loss=loss, lr=result.lr, grad_norm=result.grad_norm, step_time_s=step_time,
+        tokens_per_s=tps, tokens_per_s_per_device=tps_dev, tflops_per_device=tflops, mfu=mfu,
+        peak_mem_gb=peak_memory_gb(), overhead_frac=max(0.0, 1.0 - result.compute_time_s / step_time),
+        skipped=result.skipped,
+    )
+
+
+def _run_eval(run: Run, step: int) -> None:
+    sched = run.config.schedule
+    per_eval = sched.eval_steps * sched.global_batch_size
+    index = step // sched.eval_interval - 1
+    iters = chunk_iterators(run.datasets.valid, run.config, index * per_eval, (index + 1) * per_eval)
+    loss = evaluate(run.state, iters, run.config, run.num_microbatches)
+    if loss is not None:
+        run.writer.log_eval(step, loss)
+
+
+def main_train(config: ExperimentConfig) -> int:
+    """Set up, train, shut down; returns the process exit code."""
+    from pretrain.config import ConfigError
+    from pretrain.runtime import shutdown
+
+    try:
+        run = setup(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    try:
+        history = train(run)
+        if run.log_rank and history:
+            info(f"[{config.name}] done: {len(history)} steps, final loss {history[-1].loss:.4f}")
+    finally:
+        run.writer.close()
+        shutdown()
+    return 0
