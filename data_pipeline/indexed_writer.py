@@ -1,0 +1,181 @@
+"""Atomic writing of Megatron-Core indexed datasets (`<prefix>.bin` + `<prefix>.idx`).
+
+The bytes are written by Megatron-Core's own `IndexedDatasetBuilder`, under
+temporary names (`<prefix>.bin.partial`, `<prefix>.idx.partial`) that no reader
+takes for a dataset. On success they are renamed in an order that keeps every
+intermediate state invalid-looking: the old `.idx` goes first, the new `.idx`
+arrives last, so a `.bin/.idx` pair on disk is always a complete one. A small
+`<prefix>.meta.json` manifest records how the pair was made, so re-running the
+same command skips finished outputs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import warnings
+from array import array
+
+import numpy as np
+
+with warnings.catch_warnings():
+    # megatron.core's package import warns about Transformer Engine/Apex on every CPU
+    # machine; irrelevant to reading and writing token files.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex", category=UserWarning)
+    from megatron.core.datasets.indexed_dataset import (
+        DType,
+        IndexedDataset,
+        IndexedDatasetBuilder,
+        _IndexWriter,
+        get_bin_path,
+        get_idx_path,
+    )
+
+MANIFEST_VERSION = 1
+
+
+class OutputError(ValueError):
+    """An output that cannot be written; the message names the path and the fix."""
+
+
+def token_dtype(vocab_size: int) -> type:
+    """Megatron's choice: uint16 below 65500 ids, else int32 (a 128k vocabulary needs int32)."""
+    return DType.optimal_dtype(vocab_size)
+
+
+def manifest_path(prefix: str) -> str:
+    return prefix + ".meta.json"
+
+
+def partial_paths(prefix: str) -> list[str]:
+    return [get_bin_path(prefix) + ".partial", get_idx_path(prefix) + ".partial",
+            manifest_path(prefix) + ".partial"]
+
+
+def check_output_prefix(prefix: str) -> None:
+    """Fail before any work if the prefix's directory is missing or not writable."""
+    directory = os.path.dirname(os.path.abspath(prefix))
+    if not os.path.isdir(directory):
+        raise OutputError(f"output directory {directory!r} does not exist; create it first "
+                          f"(mkdir -p {directory})")
+    if not os.access(directory, os.W_OK):
+        raise OutputError(f"output directory {directory!r} is not writable")
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise OutputError(f"output prefix {prefix!r} must end in a file name, e.g. {prefix}/corpus")
+
+
+def read_manifest(prefix: str) -> dict | None:
+    """The manifest of a complete output at `prefix`, or None if there is none."""
+    if not (IndexedDataset.exists(prefix) and os.path.isfile(manifest_path(prefix))):
+        return None
+    try:
+        with open(manifest_path(prefix), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class _VectorisedIndexWriter(_IndexWriter):
+    """Megatron's index writer with the byte offsets computed by NumPy instead of a
+    per-document Python loop (same values; a list of Python ints per document
+    would dominate peak memory at the end of a large run)."""
+
+    def _sequence_pointers(self, sequence_lengths) -> np.ndarray:
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=pointers[1:])
+        return pointers * DType.size(self.dtype)
+
+
+class CompactIndexedDatasetBuilder(IndexedDatasetBuilder):
+    """IndexedDatasetBuilder that keeps its per-document index in typed arrays
+    (12 bytes per document instead of ~70 as Python ints) and adds whole chunks
+    of documents with one write."""
+
+    def __init__(self, bin_path: str, dtype: type) -> None:
+        super().__init__(bin_path, dtype=dtype)
+        self.sequence_lengths = array("i")
+        self.document_indices = array("q", [0])
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents given as one token array and their lengths (one sequence each)."""
+        assert tokens.dtype == np.dtype(self.dtype) and int(lengths.sum()) == len(tokens)
+        self.data_file.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+        start = len(self.sequence_lengths)
+        self.sequence_lengths.frombytes(lengths.astype(np.int32).tobytes())
+        ends = np.arange(start + 1, start + 1 + len(lengths), dtype=np.int64)
+        self.document_indices.frombytes(ends.tobytes())
+
+    def finalize(self, idx_path: str) -> None:
+        self.data_file.close()
+        with _VectorisedIndexWriter(idx_path, self.dtype) as writer:
+            writer.write(np.frombuffer(self.sequence_lengths, dtype=np.int32), None,
+                         np.frombuffer(self.document_indices, dtype=np.int64))
+
+
+class AtomicIndexedDataset:
+    """Context manager around a builder writing to temporary names.
+
+    `commit(manifest)` makes the output visible; leaving the block without a
+    commit (error, Ctrl-C) removes the temporary files. A SIGKILL leaves only
+    `*.partial` files, which the next run for the same prefix overwrites.
+    """
+
+    def __init__(self, prefix: str, dtype: type) -> None:
+        self.prefix = prefix
+        self.dtype = dtype
+        self.bin_tmp, self.idx_tmp, self.meta_tmp = partial_paths(prefix)
+        self.builder: CompactIndexedDatasetBuilder | None = None
+        self._lock = None
+        self._committed = False
+
+    def __enter__(self) -> "AtomicIndexedDataset":
+        self._lock = open(self.prefix + ".lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise OutputError(f"another process is writing {self.prefix!r} (it holds "
+                              f"{self.prefix}.lock); wait for it or choose another prefix") from None
+        self.builder = CompactIndexedDatasetBuilder(self.bin_tmp, self.dtype)
+        return self
+
+    def commit(self, manifest: dict) -> None:
+        self.builder.finalize(self.idx_tmp)
+        with open(self.meta_tmp, "w", encoding="utf-8") as f:
+            json.dump({"version": MANIFEST_VERSION, **manifest}, f, indent=2, sort_keys=True)
+        for path in (self.bin_tmp, self.idx_tmp, self.meta_tmp):
+            _fsync(path)
+        bin_path, idx_path = get_bin_path(self.prefix), get_idx_path(self.prefix)
+        # Order matters: while the old .idx exists, the old pair may be read; remove it
+        # first, and let the new .idx (the file readers test for) appear last.
+        for stale in (idx_path, manifest_path(self.prefix)):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        os.replace(self.bin_tmp, bin_path)
+        os.replace(self.meta_tmp, manifest_path(self.prefix))
+        os.replace(self.idx_tmp, idx_path)
+        # The renames themselves survive a power cut only once the directory is synced.
+        _fsync(os.path.dirname(os.path.abspath(self.prefix)))
+        self._committed = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.builder is not None and not self.builder.data_file.closed:
+            self.builder.data_file.close()
+        if not self._committed:
+            for path in (self.bin_tmp, self.idx_tmp, self.meta_tmp):
+                if os.path.exists(path):
+                    os.unlink(path)
+        os.unlink(self._lock.name)  # while still holding it: a waiter fails, never half-writes
+        self._lock.close()
+
+
+def _fsync(path: str) -> None:
+    """fsync a file or a directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,335 @@
+"""Tokenise jsonl / jsonl.gz / parquet text into Megatron-Core indexed datasets.
+
+    python -m data_pipeline.preprocess \\
+        --input 'corpus/*.jsonl.gz' --output-prefix data/corpus \\
+        --tokenizer data_pipeline/assets/demo_sp.model --append-eod --workers 2
+
+One output per input instead of one merged output: `--output-dir data/shards`
+(writes data/shards/<input name>.bin/.idx). Other options: --text-field NAME
+(default text), --skip-bad-records, --overwrite, --no-progress.
+
+Streaming: the main process cuts inputs into ~1 MiB chunks, at most 3 per
+worker are in flight, and results are written in input order, so memory does
+not grow with input size (besides 12 bytes per document for the index).
+Outputs appear atomically (see indexed_writer); re-running the same command
+skips outputs that are complete, and after a crash rewrites them byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from data_pipeline.sources import InputError, InputFile, check_readable, iter_chunks, resolve_inputs
+from data_pipeline.tokenizers import TokenizerLoadError, load_tokenizer
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_EXAMPLES = 10  # bad records quoted in the summary
+
+
+class PreprocessError(RuntimeError):
+    """A run that stopped: the message names the file, the record and the fix."""
+
+
+@dataclass
+class OutputStats:
+    prefix: str
+    documents: int = 0
+    tokens: int = 0
+    text_bytes: int = 0
+    disk_bytes: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+    up_to_date: bool = False  # finished by an earlier identical run, not rewritten
+
+
+@dataclass
+class RunSummary:
+    outputs: list[OutputStats]
+    seconds: float
+    dtype: str
+
+    def total(self, name: str) -> int:
+        return sum(getattr(o, name) for o in self.outputs if not o.up_to_date)
+
+    @property
+    def skipped(self) -> Counter:
+        return sum((o.skipped for o in self.outputs), Counter())
+
+
+@dataclass
+class _Job:
+    prefix: str
+    sources: list[InputFile]
+
+
+def plan_outputs(sources: list[InputFile], output_prefix: str | None,
+                 output_dir: str | None) -> list[_Job]:
+    """One merged output, or one per input named after the input file."""
+    from data_pipeline.indexed_writer import check_output_prefix
+
+    if (output_prefix is None) == (output_dir is None):
+        raise PreprocessError("pass exactly one of --output-prefix (one merged output) or "
+                              "--output-dir (one output per input)")
+    if output_prefix is not None:
+        check_output_prefix(output_prefix)
+        return [_Job(output_prefix, sources)]
+    jobs, seen = [], {}
+    for source in sources:
+        prefix = os.path.join(output_dir, _stem(source.path))
+        if prefix in seen:
+            raise PreprocessError(f"inputs {seen[prefix]!r} and {source.path!r} would both write "
+                                  f"{prefix}.bin; rename one or use --output-prefix to merge them")
+        seen[prefix] = source.path
+        check_output_prefix(prefix)
+        jobs.append(_Job(prefix, [source]))
+    return jobs
+
+
+def _stem(path: str) -> str:
+    name = os.path.basename(path)
+    for suffix in (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".parquet"):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _request(job: _Job, tokenizer, text_field: str, append_eod: bool, skip_bad: bool) -> dict:
+    """Everything the output bytes depend on; equal requests give equal bytes."""
+    return {
+        "tokenizer": {"spec": tokenizer.spec, **tokenizer.unique_identifiers},
+        "text_field": text_field,
+        "append_eod": append_eod,
+        "skip_bad_records": skip_bad,
+        "inputs": [{"path": os.path.abspath(s.path), "size": s.size, "mtime_ns": s.mtime_ns}
+                   for s in job.sources],
+    }
+
+
+def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None = None,
+               output_dir: str | None = None, text_field: str = "text", append_eod: bool = False,
+               workers: int | None = None, skip_bad_records: bool = False, overwrite: bool = False,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = False,
+               console=None) -> RunSummary:
+    """Tokenise `inputs` into indexed dataset(s); see the module docstring.
+
+    Every check that can fail fast (inputs, outputs, tokenizer) runs before any
+    worker starts. Raises InputError, OutputError, TokenizerLoadError or
+    PreprocessError with a message naming the problem.
+    """
+    from rich.console import Console
+
+    from data_pipeline.indexed_writer import read_manifest, token_dtype
+    from data_pipeline.workers import InlinePool, WorkerConfig, WorkerPool
+
+    console = console or Console(stderr=True)
+    start = time.perf_counter()
+    sources = resolve_inputs(inputs)
+    jobs = plan_outputs(sources, output_prefix, output_dir)
+    tok = load_tokenizer(tokenizer)
+    if append_eod and tok.eod is None:
+        raise TokenizerLoadError(f"{tok.describe()} has no end-of-document token; "
+                                 "drop --append-eod or use a tokenizer with an EOS token")
+    for source in sources:
+        check_readable(source, text_field)
+    dtype = token_dtype(tok.vocab_size)
+
+    todo, stats = [], []
+    for job in jobs:
+        request = _request(job, tok, text_field, append_eod, skip_bad_records)
+        manifest = read_manifest(job.prefix)
+        if manifest is not None and manifest.get("request") == request:
+            stats.append(OutputStats(job.prefix, up_to_date=True))
+            continue
+        if _exists(job.prefix) and not overwrite:
+            raise PreprocessError(f"{job.prefix}.bin/.idx already exist (made by a different "
+                                  "command or inputs); pass --overwrite to replace them")
+        todo.append((job, request))
+
+    if todo:
+        config = WorkerConfig(tok.spec, text_field, dtype.__name__,
+                              tok.eod if append_eod else None, skip_bad_records)
+        n_workers = _available_cpus() if workers is None else workers
+        pool = WorkerPool(config, n_workers) if n_workers > 0 else InlinePool(config, tok)
+        try:
+            with _progress(console, progress) as bar:
+                total = sum(s.size for job, _ in todo for s in job.sources)
+                task = bar.add_task("tokenising", total=total, text_bytes=0, documents=0, tokens=0)
+                done = []
+                for job, request in todo:
+                    done.append(_write_output(job, request, dtype, pool, chunk_bytes, bar, task, done))
+                stats.extend(done)
+        finally:
+            pool.close()
+    return RunSummary(stats, time.perf_counter() - start, dtype.__name__)
+
+
+def _exists(prefix: str) -> bool:
+    return any(os.path.exists(prefix + ext) for ext in (".bin", ".idx"))
+
+
+def _available_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _progress(console, enabled: bool):
+    from data_pipeline.progress import byte_progress
+
+    return byte_progress(console, enabled)
+
+
+def _write_output(job: _Job, request: dict, dtype, pool, chunk_bytes: int, bar, task,
+                  earlier: list[OutputStats]) -> OutputStats:
+    """Stream one output's inputs through the pool and commit it; nothing visible on error."""
+    from data_pipeline.indexed_writer import AtomicIndexedDataset
+
+    stats = OutputStats(job.prefix)
+    with AtomicIndexedDataset(job.prefix, dtype) as out:
+        pending, next_seq, submitted = {}, 0, 0
+        chunks = iter_chunks(job.sources, chunk_bytes, request["text_field"])
+        exhausted = False
+        while True:
+            while not exhausted and submitted - next_seq < pool.max_inflight:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    exhausted = True
+                else:
+                    pool.submit(chunk)
+                    submitted += 1
+            if exhausted and next_seq == submitted:
+                break
+            result = pool.get()
+            pending[result.seq] = result
+            while next_seq in pending:  # write in input order, whatever order workers finish
+                _absorb(pending.pop(next_seq), job, request, out, stats)
+                next_seq += 1
+                _advance(bar, task, stats, earlier)
+        if stats.documents == 0:
+            raise PreprocessError(f"no documents for {job.prefix}: every record of "
+                                  f"{', '.join(s.path for s in job.sources)} was skipped or empty")
+        out.commit({"request": request, "documents": stats.documents, "tokens": stats.tokens,
+                    "text_bytes": stats.text_bytes, "dtype": dtype.__name__,
+                    "skipped": dict(stats.skipped)})
+    return stats
+
+
+def _absorb(result, job: _Job, request: dict, out, stats: OutputStats) -> None:
+    source = job.sources[result.source] if result.source >= 0 else None
+    where = "row" if source is not None and source.kind == "parquet" else "line"
+    if result.fatal:
+        origin = f"{source.path}: " if source is not None else ""
+        raise PreprocessError(f"{origin}{result.fatal}")
+    for number, kind, detail in result.bad:
+        message = f"{source.path} {where} {number}: {detail}"
+        if not request["skip_bad_records"]:
+            raise PreprocessError(f"{message}\n(fix the input, or pass --skip-bad-records to "
+                                  "skip and count such records)")
+        stats.skipped[kind] += 1
+        if len(stats.examples) < MAX_EXAMPLES:
+            stats.examples.append(message)
+    if len(result.lengths):
+        out.builder.add_documents(result.tokens, result.lengths)
+    stats.documents += len(result.lengths)
+    stats.tokens += int(result.lengths.sum())
+    stats.text_bytes += result.text_bytes
+    stats.disk_bytes += result.disk_bytes
+
+
+def _advance(bar, task, stats: OutputStats, earlier: list[OutputStats]) -> None:
+    runs = earlier + [stats]
+    bar.update(task, completed=sum(s.disk_bytes for s in runs),
+               text_bytes=sum(s.text_bytes for s in runs),
+               documents=sum(s.documents for s in runs), tokens=sum(s.tokens for s in runs))
+
+
+def print_summary(console, summary: RunSummary) -> None:
+    from rich.table import Table
+
+    from data_pipeline.progress import rates
+
+    table = Table(title="preprocess summary", show_header=True)
+    for column in ("output", "documents", "tokens", "text MB", "skipped"):
+        table.add_column(column, justify="left" if column == "output" else "right")
+    for o in summary.outputs:
+        if o.up_to_date:
+            table.add_row(o.prefix, "up to date", "", "", "")
+        else:
+            table.add_row(o.prefix, f"{o.documents:,}", f"{o.tokens:,}",
+                          f"{o.text_bytes / 1e6:,.2f}", f"{sum(o.skipped.values()):,}")
+    console.print(table)
+    documents, tokens, text = (summary.total(n) for n in ("documents", "tokens", "text_bytes"))
+    console.print(f"{documents:,} documents, {tokens:,} tokens ({summary.dtype}), "
+                  f"{text / 1e6:,.2f} MB of text in {summary.seconds:.1f} s: "
+                  f"{rates(text, documents, tokens, summary.seconds)}")
+    skipped = summary.skipped
+    if skipped:
+        kinds = ", ".join(f"{n:,} {kind}" for kind, n in sorted(skipped.items()))
+        console.print(f"[yellow]skipped {sum(skipped.values()):,} bad records: {kinds}")
+        for o in summary.outputs:
+            for example in o.examples:
+                console.print(f"  {example}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data_pipeline.preprocess",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", "-i", nargs="+", required=True, metavar="PATH_OR_GLOB",
+                        help=".jsonl, .jsonl.gz or .parquet files or globs (quote globs)")
+    out = parser.add_mutually_exclusive_group(required=True)
+    out.add_argument("--output-prefix", "-o", help="write one merged PREFIX.bin/.idx")
+    out.add_argument("--output-dir", help="write DIR/<input name>.bin/.idx per input")
+    parser.add_argument("--tokenizer", "-t", required=True,
+                        help="SentencePiece .model, tokenizer.json (or its dir), tiktoken:PATH, byte")
+    parser.add_argument("--text-field", default="text", help="JSON field / parquet column")
+    parser.add_argument("--append-eod", action="store_true", help="end every document with EOD")
+    parser.add_argument("--workers", "-j", type=int, default=None,
+                        help="tokenising processes (default: one per CPU; 0: tokenise in "
+                             "the main process)")
+    parser.add_argument("--skip-bad-records", action="store_true",
+                        help="skip and count bad records instead of stopping at the first")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace outputs made by a different command")
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from data_pipeline.indexed_writer import OutputError
+
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    # Slurm preemption and `kill` send SIGTERM: unwind like Ctrl-C so temporaries go away.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        summary = preprocess(
+            args.input, tokenizer=args.tokenizer, output_prefix=args.output_prefix,
+            output_dir=args.output_dir, text_field=args.text_field, append_eod=args.append_eod,
+            workers=args.workers, skip_bad_records=args.skip_bad_records,
+            overwrite=args.overwrite, chunk_bytes=args.chunk_bytes,
+            progress=not args.no_progress, console=console)
+    except (InputError, OutputError, TokenizerLoadError, PreprocessError) as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        console.print("nothing partial was left behind", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/red]: no output was written (temporary files removed)")
+        return 130
+    print_summary(console, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

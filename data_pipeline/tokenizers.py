@@ -1,0 +1,366 @@
+"""Tokenizers behind one small interface.
+
+`load_tokenizer(spec)` accepts:
+- a SentencePiece model file (``*.model``), e.g. ``data_pipeline/assets/demo_sp.model``;
+- a Hugging Face ``tokenizer.json`` file, or a directory holding one (special
+  tokens are read from ``tokenizer_config.json`` beside it when present);
+- a tiktoken BPE rank file (the format of Llama-3's ``tokenizer.model``), written
+  ``tiktoken:PATH``; it is read with Llama-3's split pattern and special tokens;
+- ``byte``: 256 byte ids plus BOS/EOD/PAD, for tests.
+
+Every tokenizer exposes ``encode``/``decode``, ``vocab_size``, ``bos``, ``eod``
+(= ``eos``), ``pad`` and ``unique_identifiers``: the attributes Megatron-Core's
+``GPTDataset`` reads from its config's tokenizer, so the same object is handed
+to the dataset builder. This module imports no torch/megatron: preprocessing
+workers load it, and their start-up time is on the critical path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from functools import cached_property
+
+import numpy as np
+
+TIKTOKEN_PREFIX = "tiktoken:"
+
+# Llama-3's pre-tokenisation pattern and special tokens (llama_models/llama3/tokenizer.py).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_NAMED_SPECIALS = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+    "<|python_tag|>", "<|image|>",
+]
+LLAMA3_SPECIALS = _LLAMA3_NAMED_SPECIALS + [
+    f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(_LLAMA3_NAMED_SPECIALS))
+]
+# tiktoken's BPE is quadratic in the length of one pre-token; Llama-3's reference
+# encoder splits long inputs the same way so a 1 MB run of letters cannot stall a worker.
+_TIKTOKEN_MAX_CHARS = 400_000
+_TIKTOKEN_MAX_RUN = 25_000
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_TIKTOKEN_MAX_RUN, _TIKTOKEN_MAX_RUN))
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer spec that cannot be loaded; the message says why and what to pass."""
+
+
+class Tokenizer(ABC):
+    """encode/decode plus the special ids the data pipeline and Megatron-Core need."""
+
+    kind: str = ""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (the embedding table needs this many rows)."""
+
+    @property
+    @abstractmethod
+    def bos(self) -> int | None:
+        """Beginning-of-sequence id, or None."""
+
+    @property
+    @abstractmethod
+    def eod(self) -> int | None:
+        """End-of-document id (the EOS token), appended by `preprocess --append-eod`."""
+
+    @property
+    @abstractmethod
+    def pad_id(self) -> int | None:
+        """Padding id, or None when the tokenizer has none."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOS."""
+
+    @abstractmethod
+    def decode(self, ids) -> str:
+        """Text of `ids`."""
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode` as a NumPy integer array; overridden where the library returns arrays."""
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    @property
+    def eos(self) -> int | None:
+        return self.eod
+
+    @property
+    def pad(self) -> int:
+        # Megatron's GPTDataset uses tokenizer.pad to pad and to mask padded labels;
+        # -1 is its own "no pad" value (megatron_dataset._PAD_TOKEN_ID), never a real id.
+        return -1 if self.pad_id is None else self.pad_id
+
+    @cached_property
+    def unique_identifiers(self) -> OrderedDict:
+        """What Megatron hashes into its dataset-index cache names (the tokenizer's identity)."""
+        ids = OrderedDict(kind=self.kind, vocab_size=self.vocab_size, eod=self.eod)
+        ids["sha256"] = self._content_hash()
+        return ids
+
+    def _content_hash(self) -> str:
+        path = self.spec[len(TIKTOKEN_PREFIX):] if self.spec.startswith(TIKTOKEN_PREFIX) else self.spec
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            return self.spec
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def describe(self) -> str:
+        return (f"{self.kind} tokenizer {self.spec!r}: vocab {self.vocab_size}, "
+                f"bos {self.bos}, eod {self.eod}, pad {self.pad_id}")
+
+    # Pickled into DataLoader workers (via GPTDatasetConfig) and preprocess workers:
+    # ship the spec and reload, since not every backend pickles.
+    def __getstate__(self) -> dict:
+        return {"spec": self.spec}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(load_tokenizer(state["spec"]).__dict__)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then BOS=256, EOD=257, PAD=258. For tests."""
+
+    kind = "byte"
+
+    vocab_size = 259
+    bos = 256
+    eod = 257
+    pad_id = 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def _content_hash(self) -> str:
+        return "byte"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    kind = "sentencepiece"
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(spec)
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(spec)
+        except (OSError, RuntimeError) as err:
+            raise TokenizerLoadError(f"{spec!r} is not a SentencePiece model ({err}); "
+                                     "pass a .model file written by sentencepiece") from err
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.vocab_size()
+
+    @property
+    def bos(self) -> int | None:
+        return _none_if_negative(self._sp.bos_id())
+
+    @property
+    def eod(self) -> int | None:
+        return _none_if_negative(self._sp.eos_id())
+
+    @property
+    def pad_id(self) -> int | None:
+        return _none_if_negative(self._sp.pad_id())
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.EncodeAsIds(text)
+
+    def decode(self, ids) -> str:
+        return self._sp.DecodeIds([int(i) for i in ids])
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer.json (special tokens from tokenizer_config.json)."""
+
+    kind = "huggingface"
+
+    _BOS_GUESSES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+    _EOS_GUESSES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+    _PAD_GUESSES = ("<pad>", "<|pad|>", "[PAD]")
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(spec)
+        from tokenizers import Tokenizer as _HF
+
+        path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+        try:
+            self._tok = _HF.from_file(path)
+        except Exception as err:  # the Rust side raises a bare Exception
+            raise TokenizerLoadError(f"{path!r} is not a Hugging Face tokenizer.json ({err})") from err
+        config = _read_tokenizer_config(os.path.dirname(os.path.abspath(path)))
+        self._bos = self._special_id(config.get("bos_token"), self._BOS_GUESSES)
+        self._eos = self._special_id(config.get("eos_token"), self._EOS_GUESSES)
+        self._pad = self._special_id(config.get("pad_token"), self._PAD_GUESSES)
+
+    def _special_id(self, configured, guesses) -> int | None:
+        if isinstance(configured, dict):  # {"content": "<s>", ...} in older configs
+            configured = configured.get("content")
+        for token in ([configured] if configured else []) + list(guesses):
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos(self) -> int | None:
+        return self._bos
+
+    @property
+    def eod(self) -> int | None:
+        return self._eos
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._pad
+
+    def encode(self, text: str) -> list[int]:
+        # add_special_tokens=False: a post-processor would otherwise add BOS/EOS per call.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken BPE rank file read with Llama-3's pattern and 256 special tokens."""
+
+    kind = "tiktoken"
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(spec)
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        path = spec[len(TIKTOKEN_PREFIX):]
+        try:
+            ranks = load_tiktoken_bpe(path)
+        except Exception as err:  # binascii/ValueError on a file of another format
+            raise TokenizerLoadError(f"{path!r} is not a tiktoken BPE rank file ({err}); each line "
+                                     "must be '<base64 token> <rank>'") from err
+        specials = {tok: len(ranks) + i for i, tok in enumerate(LLAMA3_SPECIALS)}
+        self._enc = tiktoken.Encoding(os.path.basename(path), pat_str=LLAMA3_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens=specials)
+        self._specials = specials
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    @property
+    def bos(self) -> int | None:
+        return self._specials["<|begin_of_text|>"]
+
+    @property
+    def eod(self) -> int | None:
+        return self._specials["<|end_of_text|>"]
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._specials["<|finetune_right_pad_id|>"]
+
+    def _pieces(self, text: str):
+        if len(text) < _TIKTOKEN_MAX_RUN:  # the common case costs one len()
+            yield text
+            return
+        for start in range(0, len(text), _TIKTOKEN_MAX_CHARS):
+            block = text[start:start + _TIKTOKEN_MAX_CHARS]
+            if not _LONG_RUN.search(block):
+                yield block
+                continue
+            for match in re.finditer(r"\s+|\S+", block):
+                run = match.group()
+                for cut in range(0, len(run), _TIKTOKEN_MAX_RUN):
+                    yield run[cut:cut + _TIKTOKEN_MAX_RUN]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        # Special-token strings inside documents are encoded as plain text, never as control ids.
+        arrays = [self._enc.encode_to_numpy(piece, allowed_special=set(), disallowed_special=())
+                  for piece in self._pieces(text)]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def _none_if_negative(value: int) -> int | None:
+    return None if value < 0 else value
+
+
+def _read_tokenizer_config(directory: str) -> dict:
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Load a tokenizer from a spec (see the module docstring); errors name the fix."""
+    if spec == "byte":
+        return ByteTokenizer(spec)
+    if spec.startswith(TIKTOKEN_PREFIX):
+        _require_file(spec[len(TIKTOKEN_PREFIX):], spec)
+        return TiktokenTokenizer(spec)
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "tokenizer.json")):
+            raise TokenizerLoadError(f"directory {spec!r} has no tokenizer.json; pass a SentencePiece "
+                                     ".model, a tokenizer.json, 'tiktoken:PATH' or 'byte'")
+        return HFTokenizer(spec)
+    _require_file(spec, spec)
+    if spec.endswith(".json"):
+        return HFTokenizer(spec)
+    with open(spec, "rb") as f:
+        head = f.read(64)
+    if _looks_like_tiktoken(head):
+        return TiktokenTokenizer(TIKTOKEN_PREFIX + spec)
+    return SentencePieceTokenizer(spec)
+
+
+def _looks_like_tiktoken(head: bytes) -> bool:
+    # A rank file starts "<base64> <int>\n"; a SentencePiece model is a binary protobuf.
+    first = head.split(b"\n", 1)[0].split(b" ")
+    return len(first) == 2 and first[1].isdigit() and re.fullmatch(rb"[A-Za-z0-9+/=]+", first[0]) is not None
+
+
+def _require_file(path: str, spec: str) -> None:
+    if not os.path.exists(path):
+        raise TokenizerLoadError(
+            f"tokenizer {spec!r} not found: {path!r} does not exist. Pass a SentencePiece .model, "
+            "a tokenizer.json (or its directory), 'tiktoken:PATH' or 'byte'")

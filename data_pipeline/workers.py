@@ -1,0 +1,179 @@
+"""Tokenising worker processes and the bounded, order-keeping pool the preprocessor drives.
+
+Workers are started with the "spawn" method: each loads its own tokenizer from
+the spec (HF tokenizers and OpenMP-using libraries are not fork-safe once used),
+imports neither torch nor Megatron, and dies with its parent, so a SIGKILLed
+preprocess leaves no orphan burning CPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from data_pipeline.sources import BadRecord, Chunk, check_text, iter_records
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    tokenizer: str
+    text_field: str
+    dtype: str  # numpy dtype name of the output tokens
+    append_eod: int | None  # id appended to every document, or None
+    skip_bad_records: bool
+
+
+@dataclass
+class ChunkResult:
+    seq: int
+    source: int
+    disk_bytes: int
+    tokens: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    text_bytes: int = 0
+    # (record number, kind, detail) of every bad record (all of them only when skipping).
+    bad: list[tuple[int, str, str]] = field(default_factory=list)
+    fatal: str | None = None  # an unexpected exception in the worker, with traceback
+
+
+def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult:
+    """Documents of one chunk as one token array plus per-document lengths."""
+    result = ChunkResult(chunk.seq, chunk.source, chunk.disk_bytes)
+    arrays, lengths, text_bytes = [], [], 0
+    eod = None if config.append_eod is None else np.array([config.append_eod], dtype=np.int64)
+    for number, text in iter_records(chunk, config.text_field):
+        try:
+            if isinstance(text, BadRecord):
+                raise text
+            text_bytes += check_text(text)
+        except BadRecord as bad:
+            result.bad.append((number, bad.kind, bad.detail))
+            if not config.skip_bad_records:
+                break  # the run stops at this record; the rest of the chunk is never written
+            continue
+        try:
+            ids = tokenizer.encode_array(text)
+        except Exception as err:  # a tokenizer bug or limit: name the record that hit it
+            result.fatal = f"record {number}: the tokenizer failed: {type(err).__name__}: {err}"
+            return result
+        if eod is not None:
+            ids = np.concatenate((ids, eod))
+        arrays.append(ids)
+        lengths.append(len(ids))
+    dtype = np.dtype(config.dtype)
+    result.tokens = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+    result.lengths = np.asarray(lengths, dtype=np.int32)
+    result.text_bytes = text_bytes
+    return result
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel SIGKILLs us when the parent dies, even by SIGKILL.
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass  # the getppid() poll in worker_main still catches it
+
+
+def worker_main(config: WorkerConfig, tasks, results, parent_pid: int) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides and stops us cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    from data_pipeline.tokenizers import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+    except Exception:
+        results.put(ChunkResult(-1, -1, 0, fatal=traceback.format_exc()))
+        return
+    while True:
+        try:
+            chunk = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                return
+            continue
+        if chunk is None:
+            return
+        try:
+            results.put(tokenize_chunk(chunk, tokenizer, config))
+        except Exception:
+            results.put(ChunkResult(chunk.seq, chunk.source, 0, fatal=traceback.format_exc()))
+
+
+class InlinePool:
+    """The WorkerPool interface without processes (workers=0): tokenises in the caller.
+    For small corpora, debugging, and callers that should not spawn (training ranks)."""
+
+    max_inflight = 1
+
+    def __init__(self, config: WorkerConfig, tokenizer) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._done: list[ChunkResult] = []
+
+    def submit(self, chunk: Chunk) -> None:
+        self._done.append(tokenize_chunk(chunk, self._tokenizer, self._config))
+
+    def get(self) -> ChunkResult:
+        return self._done.pop(0)
+
+    def close(self) -> None:
+        self._done.clear()
+
+
+class WorkerPool:
+    """N spawned workers; at most `max_inflight` chunks are queued or being tokenised."""
+
+    def __init__(self, config: WorkerConfig, workers: int, max_inflight: int | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.max_inflight = max_inflight or 3 * workers
+        self._tasks = ctx.Queue()
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=worker_main, args=(config, self._tasks, self._results, os.getpid()),
+                        name=f"preprocess-worker-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def submit(self, chunk: Chunk) -> None:
+        self._tasks.put(chunk)
+
+    def get(self) -> ChunkResult:
+        """The next finished chunk (any order; check `.fatal`); raises if a worker died."""
+        while True:
+            try:
+                result = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self._procs if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"preprocess worker {dead[0].name} died (exit code "
+                                       f"{dead[0].exitcode}); out of memory or killed?")
+                continue
+            return result
+
+    def close(self) -> None:
+        """Stop every worker and reap them; the same on success, error or Ctrl-C, since a
+        worker holds no state worth flushing."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(timeout=5)
+        # Queued chunks may still sit in the feeder threads; don't block exit on them.
+        self._tasks.cancel_join_thread()
+        self._results.cancel_join_thread()
+        self._tasks.close()
+        self._results.close()
