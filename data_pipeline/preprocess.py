@@ -139,17 +139,18 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         check_readable(source, text_field)
     dtype = token_dtype(tok.vocab_size)
 
-    todo, stats = [], []
-    for job in jobs:
+    # Outputs finished by an identical earlier run are skipped (stats stay in job order).
+    stats = [OutputStats(job.prefix, up_to_date=True) for job in jobs]
+    todo = []
+    for index, job in enumerate(jobs):
         request = _request(job, tok, text_field, append_eod, skip_bad_records)
         manifest = read_manifest(job.prefix)
         if manifest is not None and manifest.get("request") == request:
-            stats.append(OutputStats(job.prefix, up_to_date=True))
             continue
         if _exists(job.prefix) and not overwrite:
             raise PreprocessError(f"{job.prefix}.bin/.idx already exist (made by a different "
                                   "command or inputs); pass --overwrite to replace them")
-        todo.append((job, request))
+        todo.append((index, job, request))
 
     if todo:
         config = WorkerConfig(tok.spec, text_field, dtype.__name__,
@@ -158,12 +159,13 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         pool = WorkerPool(config, n_workers) if n_workers > 0 else InlinePool(config, tok)
         try:
             with _progress(console, progress) as bar:
-                total = sum(s.size for job, _ in todo for s in job.sources)
+                total = sum(s.size for _, job, _ in todo for s in job.sources)
                 task = bar.add_task("tokenising", total=total, text_bytes=0, documents=0, tokens=0)
-                done = []
-                for job, request in todo:
-                    done.append(_write_output(job, request, dtype, pool, chunk_bytes, bar, task, done))
-                stats.extend(done)
+                done: list[OutputStats] = []
+                for index, job, request in todo:
+                    stats[index] = _write_output(job, request, dtype, pool, chunk_bytes, bar, task,
+                                                 done)
+                    done.append(stats[index])
         finally:
             pool.close()
     return RunSummary(stats, time.perf_counter() - start, dtype.__name__)

@@ -192,7 +192,7 @@ def check_text(text: str) -> int:
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as err:  # lone surrogates, e.g. from a "\ud800" JSON escape
-        raise BadRecord("invalid UTF-8", f"invalid UTF-8: lone surrogate at character {err.start} "
+        raise BadRecord("invalid UTF-8", f"invalid UTF-8: lone surrogate at character {err.start + 1} "
                                          "of the text") from None
 
 
@@ -201,7 +201,7 @@ def parse_json_record(line: bytes, field: str) -> str:
     try:
         record = json.loads(line)
     except UnicodeDecodeError as err:
-        raise BadRecord("invalid UTF-8", f"invalid UTF-8 at byte {err.start} of the line") from None
+        raise BadRecord("invalid UTF-8", f"invalid UTF-8 at byte {err.start + 1} of the line") from None
     except json.JSONDecodeError as err:
         problem = "blank line" if not line.strip() else f"{err.msg} at column {err.colno}"
         raise BadRecord("malformed JSON", f"malformed JSON: {problem}") from None
@@ -248,7 +248,7 @@ def _parquet_records(chunk: Chunk):
             try:
                 texts.append(None if value is None else value.decode("utf-8"))
             except UnicodeDecodeError as err:
-                texts.append(BadRecord("invalid UTF-8", f"invalid UTF-8 at byte {err.start} of the text"))
+                texts.append(BadRecord("invalid UTF-8", f"invalid UTF-8 at byte {err.start + 1} of the text"))
     for offset, text in enumerate(texts):
         if text is None:
             text = BadRecord("missing text field", "missing text field (null value)")

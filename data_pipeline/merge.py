@@ -1,0 +1,126 @@
+"""Join existing indexed datasets (.bin/.idx pairs) into one, in the order given.
+
+    python -m data_pipeline.merge --inputs data/shards/a data/shards/b --output-prefix data/all
+    python -m data_pipeline.merge --inputs 'data/shards/*' --output-prefix data/all
+
+Inputs are prefixes (a trailing .bin/.idx is ignored) or globs (every .idx they
+match). All inputs must share one token dtype and, where they carry a manifest,
+one tokenizer. The output is written atomically like preprocess's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+
+class MergeError(ValueError):
+    """Inputs that cannot be merged; the message names them."""
+
+
+def resolve_prefixes(patterns: list[str]) -> list[str]:
+    prefixes: list[str] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            found = sorted({m[: -len(".idx")] for m in glob.glob(pattern) if m.endswith(".idx")}
+                           | {m[: -len(".idx")] for m in glob.glob(pattern + ".idx")})
+            if not found:
+                raise MergeError(f"no .idx file matches {pattern!r}")
+            prefixes.extend(found)
+        else:
+            prefixes.append(pattern[:-4] if pattern.endswith((".bin", ".idx")) else pattern)
+    return prefixes
+
+
+def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
+          progress: bool = False, console=None) -> dict:
+    """Merge `inputs` (prefixes or globs) into output_prefix; returns the manifest written."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+    from data_pipeline.indexed_writer import (
+        AtomicIndexedDataset,
+        IndexedDataset,
+        check_output_prefix,
+        read_manifest,
+    )
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    prefixes = resolve_prefixes(inputs)
+    check_output_prefix(output_prefix)
+    out_real = os.path.realpath(output_prefix)
+    dtypes, tokenizers, documents, tokens = {}, {}, 0, 0
+    for prefix in prefixes:
+        if os.path.realpath(prefix) == out_real:
+            raise MergeError(f"output {output_prefix!r} is also an input; choose another prefix")
+        if not IndexedDataset.exists(prefix):
+            raise MergeError(f"no dataset at {prefix!r} ({prefix}.bin/.idx not found)")
+        index = _IndexReader(prefix + ".idx", multimodal=False)
+        dtypes[prefix] = index.dtype
+        documents += len(index.document_indices) - 1
+        tokens += int(index.sequence_lengths.sum(dtype="int64"))
+        del index
+        tokenizer = ((read_manifest(prefix) or {}).get("request") or {}).get("tokenizer")
+        if tokenizer:
+            tokenizers[prefix] = tokenizer
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{p} ({d.__name__})" for p, d in dtypes.items())
+        raise MergeError(f"inputs store different token dtypes: {listing}; re-tokenise them with "
+                         "one tokenizer")
+    if len({t["sha256"] for t in tokenizers.values()}) > 1:
+        listing = ", ".join(f"{p} ({t['spec']})" for p, t in tokenizers.items())
+        raise MergeError(f"inputs were made by different tokenizers: {listing}")
+    if any(os.path.exists(output_prefix + ext) for ext in (".bin", ".idx")) and not overwrite:
+        raise MergeError(f"{output_prefix}.bin/.idx already exist; pass --overwrite to replace them")
+
+    manifest = {"merged_from": [os.path.abspath(p) for p in prefixes], "documents": documents,
+                "tokens": tokens, "dtype": next(iter(dtypes.values())).__name__}
+    if tokenizers:
+        manifest["request"] = {"tokenizer": next(iter(tokenizers.values()))}
+    console = console or Console(stderr=True)
+    sizes = [os.path.getsize(p + ".bin") for p in prefixes]
+    with Progress(TextColumn("[bold]merging"), BarColumn(), TaskProgressColumn(),
+                  TimeElapsedColumn(), console=console, disable=not progress) as bar:
+        task = bar.add_task("merge", total=sum(sizes))
+        with AtomicIndexedDataset(output_prefix, next(iter(dtypes.values()))) as out:
+            for prefix, size in zip(prefixes, sizes):
+                out.builder.add_index(prefix)  # Megatron's own concatenation
+                bar.advance(task, size)
+            out.commit(manifest)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from data_pipeline.indexed_writer import OutputError
+
+    parser = argparse.ArgumentParser(prog="python -m data_pipeline.merge",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--inputs", "-i", nargs="+", required=True, help="prefixes or globs")
+    parser.add_argument("--output-prefix", "-o", required=True)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    try:
+        manifest = merge(args.inputs, args.output_prefix, overwrite=args.overwrite,
+                         progress=not args.no_progress, console=console)
+    except (MergeError, OutputError) as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/red]: no output was written")
+        return 130
+    console.print(f"merged {len(manifest['merged_from'])} datasets: {manifest['documents']:,} "
+                  f"documents, {manifest['tokens']:,} tokens ({manifest['dtype']}) into "
+                  f"{args.output_prefix} in {time.perf_counter() - started:.1f} s", highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

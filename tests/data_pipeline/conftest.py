@@ -1,0 +1,109 @@
+"""Fixtures for the data-pipeline tests: real text (the shipped KJV corpus, and Debian
+packages fetched on demand), tokenizers, and helpers to read outputs back."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data_pipeline.datasets import DEMO_CORPUS, DEMO_TOKENIZER
+from data_pipeline.tokenizers import load_tokenizer
+
+
+def kjv_texts(limit: int | None = None) -> list[str]:
+    """Documents (one per chapter) of the shipped King James Bible corpus."""
+    texts = []
+    with gzip.open(DEMO_CORPUS, "rt", encoding="utf-8") as f:
+        for line in f:
+            texts.append(json.loads(line)["text"])
+            if limit is not None and len(texts) == limit:
+                break
+    return texts
+
+
+def write_jsonl(path, texts, field: str = "text") -> str:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({field: text, "id": len(text)}) + "\n")
+    return str(path)
+
+
+def write_parquet(path, texts, field: str = "text", row_group_size: int = 40) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({field: pa.array(texts, type=pa.string())}), path,
+                   row_group_size=row_group_size)
+    return str(path)
+
+
+def read_documents(prefix: str) -> list[np.ndarray]:
+    """Every document's tokens, read back through Megatron-Core's IndexedDataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    bounds = dataset.document_indices
+    return [np.concatenate([dataset[s] for s in range(bounds[d], bounds[d + 1])])
+            for d in range(len(bounds) - 1)]
+
+
+def output_files(directory) -> list[str]:
+    """Everything in a directory, sorted: to assert that nothing (partial) was left."""
+    return sorted(os.listdir(directory))
+
+
+@pytest.fixture(scope="session")
+def texts() -> list[str]:
+    return kjv_texts(limit=120)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, texts) -> str:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "kjv.jsonl", texts)
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    return load_tokenizer(DEMO_TOKENIZER)
+
+
+def _package_file(package: str, relative: str) -> str | None:
+    spec = importlib.util.find_spec(package)  # locates the files without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], relative)
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="session")
+def mistral_model() -> str:
+    path = _package_file("mistral_common", "data/tokenizer.model.v1")
+    if path is None:
+        pytest.skip("mistral-common not installed (pip install --no-deps mistral-common==1.13.1)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama3_model() -> str:
+    path = _package_file("llama_models", "llama3/tokenizer.model")
+    if path is None:
+        pytest.skip("llama-models not installed (pip install --no-deps llama-models==0.3.0)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def debian_jargon() -> list[str]:
+    """The Jargon File's entries, from Debian's jargon-text package (fetched once, cached)."""
+    from data_pipeline.debian_text import DEFAULT_CACHE, DebianTextUnavailable, documents
+
+    cache = os.environ.get("DEBIAN_TEXT_CACHE", DEFAULT_CACHE)
+    try:
+        return list(documents("jargon", cache))
+    except DebianTextUnavailable as err:
+        pytest.skip(f"Debian text unavailable: {err}")

@@ -1,0 +1,186 @@
+"""Bad input: every case stops with a message naming file, line and problem (or is
+counted with --skip-bad-records), and leaves no output, partial or complete."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from data_pipeline.indexed_writer import OutputError
+from data_pipeline.preprocess import PreprocessError, main, preprocess
+from data_pipeline.sources import InputError
+from data_pipeline.tokenizers import TokenizerLoadError
+from tests.data_pipeline.conftest import output_files, read_documents, write_parquet
+
+GOOD = json.dumps({"text": "And God said, Let there be light: and there was light."})
+
+# (line inserted as line 3 of a five-line file, problem category, message fragment)
+BAD_LINES = {
+    "malformed json": (b'{"text": "unterminated', "malformed JSON", "malformed JSON: Unterminated"),
+    "not an object": (b'["text", "in a list"]', "malformed JSON", "expected an object, got list"),
+    "blank line": (b"   ", "malformed JSON", "malformed JSON: blank line"),
+    "missing field": (b'{"body": "no text field here"}', "missing text field",
+                      "missing text field 'text' (fields present: body)"),
+    "null field": (b'{"text": null}', "missing text field", "field 'text' is NoneType"),
+    "invalid utf-8": (b'{"text": "caf\xe9 au lait"}', "invalid UTF-8", "invalid UTF-8 at byte 14"),
+    "lone surrogate": (b'{"text": "broken \\ud800 pair"}', "invalid UTF-8", "lone surrogate"),
+    "empty document": (b'{"text": ""}', "empty document", "empty document"),
+    "whitespace document": (b'{"text": " \\n\\t "}', "empty document", "whitespace only"),
+}
+
+
+def bad_file(tmp_path, bad_line: bytes, name: str = "input.jsonl") -> str:
+    path = tmp_path / name
+    lines = [GOOD.encode()] * 2 + [bad_line] + [GOOD.encode()] * 2
+    data = b"\n".join(lines) + b"\n"
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", list(BAD_LINES))
+def test_bad_record_stops_naming_file_line_and_problem(tmp_path, case):
+    bad_line, _, fragment = BAD_LINES[case]
+    path = bad_file(tmp_path, bad_line)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(PreprocessError) as err:
+        preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "out" / "x"), workers=0)
+    message = str(err.value)
+    assert f"{path} line 3: " in message and fragment in message and "--skip-bad-records" in message
+    assert output_files(tmp_path / "out") == []
+
+
+def test_bad_record_through_worker_processes_and_gzip(tmp_path):
+    path = bad_file(tmp_path, BAD_LINES["invalid utf-8"][0], "input.jsonl.gz")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(PreprocessError, match=r"input.jsonl.gz line 3: invalid UTF-8"):
+        preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "out" / "x"),
+                   workers=2, chunk_bytes=64)
+    assert output_files(tmp_path / "out") == []
+
+
+def test_skip_bad_records_counts_and_reports(tmp_path):
+    lines = [GOOD.encode()]
+    for bad_line, _, _ in BAD_LINES.values():
+        lines += [bad_line, GOOD.encode()]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    summary = preprocess([str(path)], tokenizer="byte", output_prefix=str(tmp_path / "x"),
+                         workers=1, skip_bad_records=True)
+    expected = {}
+    for _, kind, _ in BAD_LINES.values():
+        expected[kind] = expected.get(kind, 0) + 1
+    assert dict(summary.skipped) == expected
+    assert summary.total("documents") == len(BAD_LINES) + 1
+    assert len(read_documents(str(tmp_path / "x"))) == len(BAD_LINES) + 1
+    assert summary.outputs[0].examples[0].startswith(f"{path} line 2: malformed JSON")
+
+
+def test_parquet_null_row_is_named(tmp_path):
+    path = write_parquet(tmp_path / "t.parquet", ["first document", "second", None, "fourth"],
+                         row_group_size=2)
+    with pytest.raises(PreprocessError, match=r"t.parquet row 3: missing text field \(null"):
+        preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=0)
+    assert not (tmp_path / "x.bin").exists() and not (tmp_path / "x.idx").exists()
+
+
+def test_all_records_skipped_is_an_error_not_an_empty_dataset(tmp_path):
+    path = bad_file(tmp_path, BAD_LINES["empty document"][0])
+    path_all_bad = tmp_path / "all_bad.jsonl"
+    path_all_bad.write_bytes(b'{"text": ""}\n{"x": 1}\n')
+    with pytest.raises(PreprocessError, match="no documents for"):
+        preprocess([str(path_all_bad)], tokenizer="byte", output_prefix=str(tmp_path / "x"),
+                   workers=0, skip_bad_records=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["all_bad.jsonl", "input.jsonl"])
+    assert path  # the one-bad-line file is untouched
+
+
+@pytest.mark.parametrize("case,exc,fragment", [
+    ("missing input", InputError, "input '{d}/nope.jsonl' not found"),
+    ("glob matches nothing", InputError, "no file matches '{d}/*.parquet'"),
+    ("unsupported type", InputError, "unsupported file type; supported: .jsonl"),
+    ("output dir missing", OutputError, "output directory '{d}/no/such' does not exist"),
+    ("tokenizer missing", TokenizerLoadError, "tokenizer '{d}/tok.model' not found"),
+    ("tokenizer broken", TokenizerLoadError, "is not a SentencePiece model"),
+    ("parquet column missing", InputError, "no column 'text' (columns: body)"),
+    ("truncated gzip", InputError, "cannot read"),
+])
+def test_clear_errors_before_any_work(tmp_path, case, exc, fragment):
+    good = tmp_path / "good.jsonl"
+    good.write_text(GOOD + "\n")
+    args = dict(inputs=[str(good)], tokenizer="byte", output_prefix=str(tmp_path / "out"))
+    if case == "missing input":
+        args["inputs"] = [str(tmp_path / "nope.jsonl")]
+    elif case == "glob matches nothing":
+        args["inputs"] = [str(tmp_path / "*.parquet")]
+    elif case == "unsupported type":
+        (tmp_path / "notes.csv").write_text("a,b\n")
+        args["inputs"] = [str(tmp_path / "notes.csv")]
+    elif case == "output dir missing":
+        args["output_prefix"] = str(tmp_path / "no" / "such" / "out")
+    elif case == "tokenizer missing":
+        args["tokenizer"] = str(tmp_path / "tok.model")
+    elif case == "tokenizer broken":
+        (tmp_path / "tok.model").write_bytes(b"\x08\x01garbage")
+        args["tokenizer"] = str(tmp_path / "tok.model")
+    elif case == "parquet column missing":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"body": ["x"]}), tmp_path / "t.parquet")
+        args["inputs"] = [str(tmp_path / "t.parquet")]
+    elif case == "truncated gzip":
+        (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(GOOD.encode() * 50)[:20])
+        args["inputs"] = [str(tmp_path / "t.jsonl.gz")]
+    before = output_files(tmp_path)
+    with pytest.raises(exc) as err:
+        preprocess(args.pop("inputs"), workers=1, **args)
+    assert fragment.format(d=tmp_path) in str(err.value)
+    assert output_files(tmp_path) == before  # nothing written, not even a lock file
+
+
+def test_append_eod_needs_an_eos_token(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json"))
+    good = tmp_path / "good.jsonl"
+    good.write_text(GOOD + "\n")
+    with pytest.raises(TokenizerLoadError, match="no end-of-document token; drop --append-eod"):
+        preprocess([str(good)], tokenizer=str(tmp_path), output_prefix=str(tmp_path / "x"),
+                   append_eod=True)
+
+
+def test_cli_prints_the_error_and_exits_1(tmp_path, capsys):
+    path = bad_file(tmp_path, BAD_LINES["missing field"][0])
+    code = main(["-i", path, "-o", str(tmp_path / "x"), "-t", "byte", "-j", "0", "--no-progress"])
+    assert code == 1
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "error:" in err and "line 3: missing text field 'text'" in err
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_parquet_invalid_utf8_row_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    offsets = pa.py_buffer(bytes([0, 0, 0, 0, 2, 0, 0, 0, 4, 0, 0, 0, 7, 0, 0, 0]))
+    column = pa.Array.from_buffers(pa.string(), 3, [None, offsets, pa.py_buffer(b"ok\xff\xfeabc")])
+    pq.write_table(pa.table({"text": column}), tmp_path / "bad.parquet")
+    with pytest.raises(PreprocessError, match=r"bad.parquet row 2: invalid UTF-8 at byte 1"):
+        preprocess([str(tmp_path / "bad.parquet")], tokenizer="byte",
+                   output_prefix=str(tmp_path / "x"), workers=0)
+    summary = preprocess([str(tmp_path / "bad.parquet")], tokenizer="byte",
+                         output_prefix=str(tmp_path / "x"), workers=0, skip_bad_records=True)
+    assert summary.total("documents") == 2 and dict(summary.skipped) == {"invalid UTF-8": 1}
+
+
+def test_gzip_truncated_mid_file_names_the_file(tmp_path):
+    data = gzip.compress(("\n".join([GOOD] * 20000) + "\n").encode())
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"cut.jsonl.gz: read failed \(Compressed file ended"):
+        preprocess([str(path)], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=1,
+                   chunk_bytes=4096)
+    assert output_files(tmp_path) == ["cut.jsonl.gz"]

@@ -1,0 +1,126 @@
+"""preprocess: exact round trips through Megatron's reader, identical bytes whatever the
+input format, worker count or chunking, per-input outputs, re-runs, and the CLI."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+
+import numpy as np
+import pytest
+
+from data_pipeline.indexed_writer import CompactIndexedDatasetBuilder
+from data_pipeline.preprocess import PreprocessError, main, preprocess
+from tests.data_pipeline.conftest import read_documents, write_jsonl, write_parquet
+
+DEMO = "data_pipeline/assets/demo_sp.model"
+
+
+def same_bytes(a: str, b: str) -> bool:
+    return all(filecmp.cmp(a + ext, b + ext, shallow=False) for ext in (".bin", ".idx"))
+
+
+def test_round_trip_reproduces_every_documents_ids(tmp_path, corpus, texts, demo_tokenizer):
+    summary = preprocess([corpus], tokenizer=DEMO, output_prefix=str(tmp_path / "kjv"),
+                         append_eod=True, workers=2, chunk_bytes=64 << 10)
+    docs = read_documents(str(tmp_path / "kjv"))
+    assert len(docs) == len(texts) == summary.total("documents")
+    for text, ids in zip(texts, docs):
+        assert ids.dtype == np.uint16  # vocab 4000: Megatron's smallest sufficient dtype
+        assert ids.tolist() == demo_tokenizer.encode(text) + [demo_tokenizer.eod]
+        assert demo_tokenizer.decode(ids[:-1].tolist()) == text
+    assert summary.total("tokens") == sum(len(d) for d in docs)
+    assert summary.total("text_bytes") == sum(len(t.encode()) for t in texts)
+
+
+def test_bytes_independent_of_format_workers_and_chunking(tmp_path, corpus, texts):
+    gz = write_jsonl(tmp_path / "kjv.jsonl.gz", texts)
+    parquet = write_parquet(tmp_path / "kjv.parquet", texts)
+    runs = {
+        "inline": dict(inputs=[corpus], workers=0),
+        "one": dict(inputs=[corpus], workers=1, chunk_bytes=4096),
+        "two": dict(inputs=[gz], workers=2, chunk_bytes=100_000),
+        "parquet": dict(inputs=[parquet], workers=2, chunk_bytes=50_000),
+    }
+    for name, run in runs.items():
+        preprocess(run.pop("inputs"), tokenizer=DEMO, output_prefix=str(tmp_path / name),
+                   append_eod=True, **run)
+    for name in runs:
+        assert same_bytes(str(tmp_path / "inline"), str(tmp_path / name)), name
+
+
+def test_llama3_vocabulary_needs_int32(tmp_path, corpus, texts, llama3_model):
+    spec = "tiktoken:" + llama3_model
+    preprocess([corpus], tokenizer=spec, output_prefix=str(tmp_path / "l3"), workers=1)
+    from data_pipeline.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(spec)
+    docs = read_documents(str(tmp_path / "l3"))
+    assert docs[0].dtype == np.int32
+    assert [d.tolist() for d in docs[:30]] == [tok.encode(t) for t in texts[:30]]
+
+
+def test_builder_writes_the_same_bytes_as_megatrons(tmp_path, texts, demo_tokenizer):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    encoded = [np.asarray(demo_tokenizer.encode(t), dtype=np.uint16) for t in texts[:50]]
+    reference = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
+    for ids in encoded:
+        reference.add_document(ids, [len(ids)])
+    reference.finalize(str(tmp_path / "ref.idx"))
+    ours = CompactIndexedDatasetBuilder(str(tmp_path / "ours.bin"), np.uint16)
+    ours.add_documents(np.concatenate(encoded[:20]), np.array([len(e) for e in encoded[:20]]))
+    ours.add_documents(np.concatenate(encoded[20:]), np.array([len(e) for e in encoded[20:]]))
+    ours.finalize(str(tmp_path / "ours.idx"))
+    assert same_bytes(str(tmp_path / "ref"), str(tmp_path / "ours"))
+
+
+def test_many_inputs_merge_in_order(tmp_path, texts):
+    a = write_jsonl(tmp_path / "part-b.jsonl", texts[:30])
+    b = write_jsonl(tmp_path / "part-a.jsonl.gz", texts[30:50])
+    preprocess([a, b], tokenizer="byte", output_prefix=str(tmp_path / "merged"), workers=2)
+    docs = read_documents(str(tmp_path / "merged"))
+    assert [bytes(d.astype(np.uint8)).decode() for d in docs] == texts[:50]
+
+
+def test_output_per_input_and_rerun_skips_finished_outputs(tmp_path, texts):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    for i in range(3):
+        write_jsonl(tmp_path / "in" / f"shard{i}.jsonl", texts[10 * i:10 * i + 10])
+    args = dict(tokenizer="byte", output_dir=str(tmp_path / "out"), workers=1)
+    first = preprocess([str(tmp_path / "in" / "*.jsonl")], **args)
+    assert [o.documents for o in first.outputs] == [10, 10, 10]
+    for i in range(3):
+        docs = read_documents(str(tmp_path / "out" / f"shard{i}"))
+        assert bytes(docs[0].astype(np.uint8)).decode() == texts[10 * i]
+    manifest = json.loads((tmp_path / "out" / "shard0.meta.json").read_text())
+    assert manifest["documents"] == 10 and manifest["request"]["tokenizer"]["kind"] == "byte"
+
+    again = preprocess([str(tmp_path / "in" / "*.jsonl")], **args)
+    assert all(o.up_to_date for o in again.outputs)
+
+    write_jsonl(tmp_path / "in" / "shard1.jsonl", texts[:5])  # an input changed
+    with pytest.raises(PreprocessError, match="shard1.bin/.idx already exist.*--overwrite"):
+        preprocess([str(tmp_path / "in" / "*.jsonl")], **args)
+    third = preprocess([str(tmp_path / "in" / "*.jsonl")], overwrite=True, **args)
+    assert [o.up_to_date for o in third.outputs] == [True, False, True]
+    assert len(read_documents(str(tmp_path / "out" / "shard1"))) == 5
+
+
+def test_per_input_name_clash_is_refused(tmp_path, texts):
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        write_jsonl(tmp_path / sub / "data.jsonl", texts[:2])
+    with pytest.raises(PreprocessError, match="would both write"):
+        preprocess([str(tmp_path / "a/data.jsonl"), str(tmp_path / "b/data.jsonl")],
+                   tokenizer="byte", output_dir=str(tmp_path))
+
+
+def test_cli_writes_and_reports(tmp_path, corpus, capsys):
+    code = main(["--input", corpus, "--output-prefix", str(tmp_path / "cli"), "--tokenizer", DEMO,
+                 "--append-eod", "--workers", "1", "--no-progress"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "120 documents" in err and "MB/s" in err and "tok/s" in err
+    assert len(read_documents(str(tmp_path / "cli"))) == 120

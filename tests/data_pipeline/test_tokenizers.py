@@ -1,0 +1,136 @@
+"""Tokenizers: every backend round-trips real text, exposes the right special ids,
+pickles, and fails to load with a message that names the fix."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from data_pipeline.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    TokenizerLoadError,
+    load_tokenizer,
+)
+
+SAMPLE = "In the beginning God created the heaven and the earth.  Zürich, 2024 — ‘naïve’ café\n\ttab"
+
+
+def test_byte_tokenizer_round_trip_and_specials():
+    tok = load_tokenizer("byte")
+    assert isinstance(tok, ByteTokenizer)
+    ids = tok.encode(SAMPLE)
+    assert ids == list(SAMPLE.encode("utf-8"))
+    assert tok.decode(ids + [tok.eod]) == SAMPLE  # specials decode to nothing
+    assert (tok.vocab_size, tok.bos, tok.eod, tok.pad) == (259, 256, 257, 258)
+    assert np.array_equal(tok.encode_array(SAMPLE), ids)
+
+
+def test_demo_sentencepiece_round_trips_real_text(demo_tokenizer, texts):
+    tok = demo_tokenizer
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert (tok.vocab_size, tok.bos, tok.eod, tok.pad_id) == (4000, 1, 2, 3)
+    for text in texts[:20] + [SAMPLE]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text  # identity normalisation, whitespace kept
+        assert max(ids) < tok.vocab_size
+    # byte fallback: characters never seen in the KJV still encode losslessly
+    assert tok.decode(tok.encode("日本語 ✓")) == "日本語 ✓"
+
+
+def test_hf_tokenizer_json_file_and_directory(tmp_path, texts):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600,
+                                                      special_tokens=["<s>", "</s>", "<pad>"]))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    for spec in (str(tmp_path), str(tmp_path / "tokenizer.json")):
+        tok = load_tokenizer(spec)
+        assert isinstance(tok, HFTokenizer)
+        assert (tok.bos, tok.eod, tok.pad_id) == (0, 1, 2)
+        assert tok.vocab_size == hf.get_vocab_size()
+        ids = tok.encode(texts[0])
+        assert ids == hf.encode(texts[0], add_special_tokens=False).ids
+        assert tok.decode(ids) == texts[0]
+
+
+def test_llama3_tiktoken_matches_reference_encoder(llama3_model, texts):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    tok = load_tokenizer("tiktoken:" + llama3_model)
+    assert isinstance(tok, TiktokenTokenizer)
+    assert (tok.vocab_size, tok.bos, tok.eod, tok.pad_id) == (128256, 128000, 128001, 128004)
+    # The reference: tiktoken itself, built from the pattern in llama_models' own source.
+    source = open(llama3_model.replace("tokenizer.model", "tokenizer.py"), encoding="utf-8").read()
+    pattern = source.split('pat_str = r"', 1)[1].split('"  #', 1)[0]
+    reference = tiktoken.Encoding("ref", pat_str=pattern, mergeable_ranks=load_tiktoken_bpe(llama3_model),
+                                  special_tokens={})
+    for text in texts[:20] + [SAMPLE, "<|end_of_text|> is text here"]:
+        assert tok.encode(text) == reference.encode_ordinary(text)
+        assert tok.decode(tok.encode(text)) == text
+    # detected without the tiktoken: prefix too
+    assert isinstance(load_tokenizer(llama3_model), TiktokenTokenizer)
+
+
+def test_tiktoken_long_runs_are_split_not_quadratic(llama3_model):
+    tok = load_tokenizer("tiktoken:" + llama3_model)
+    text = "a" * 60_000 + " tail " + "\n" * 30_000
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+
+
+def test_mistral_sentencepiece(mistral_model, texts):
+    import sentencepiece
+
+    tok = load_tokenizer(mistral_model)
+    sp = sentencepiece.SentencePieceProcessor(model_file=mistral_model)
+    assert (tok.vocab_size, tok.bos, tok.eod, tok.pad_id, tok.pad) == (32000, 1, 2, None, -1)
+    for text in texts[:10]:
+        assert tok.encode(text) == sp.encode(text)
+
+
+@pytest.mark.parametrize("spec", ["byte", "data_pipeline/assets/demo_sp.model"])
+def test_pickles_by_spec(spec):
+    tok = load_tokenizer(spec)
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.encode(SAMPLE) == tok.encode(SAMPLE)
+    assert clone.unique_identifiers == tok.unique_identifiers
+
+
+def test_unique_identifiers_follow_content(tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy.model"
+    shutil.copy("data_pipeline/assets/demo_sp.model", copy)
+    a, b = load_tokenizer("data_pipeline/assets/demo_sp.model"), load_tokenizer(str(copy))
+    assert a.unique_identifiers["sha256"] == b.unique_identifiers["sha256"]
+    assert a.unique_identifiers["sha256"] != load_tokenizer("byte").unique_identifiers["sha256"]
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    with pytest.raises(TokenizerLoadError, match="not found.*does not exist"):
+        load_tokenizer(str(tmp_path / "missing.model"))
+    with pytest.raises(TokenizerLoadError, match="has no tokenizer.json"):
+        load_tokenizer(str(tmp_path))
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"\x00\x01 this is not a model")
+    with pytest.raises(TokenizerLoadError, match="not a SentencePiece model"):
+        load_tokenizer(str(garbage))
+    bad_json = tmp_path / "tokenizer.json"
+    bad_json.write_text("{}")
+    with pytest.raises(TokenizerLoadError, match="not a Hugging Face tokenizer.json"):
+        load_tokenizer(str(bad_json))
+    ranks = tmp_path / "ranks.txt"
+    ranks.write_text("not-base64!! x\n")
+    with pytest.raises(TokenizerLoadError, match="not a tiktoken BPE rank file"):
+        load_tokenizer("tiktoken:" + str(ranks))
