@@ -11,27 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 
-from pretrain.cli import resolve_config
+from pretrain.cli import resolve_config, torchrun_command
 from pretrain.config import ConfigError, validate_for_world
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def build_command(recipe: str, nproc: int, overrides: list[str], config_file: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "pretrain", "--recipe", recipe]
-    if config_file:
-        cmd += ["--config", config_file]
-    return cmd + list(overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cmd = build_command(args.recipe, args.nproc, args.overrides, args.config)
+    cmd = torchrun_command(args.recipe, args.nproc, args.overrides, args.config)
     if args.dry_run:
         print(" ".join(cmd))
         return 0

@@ -10,6 +10,7 @@ is what makes DP runs comparable with the single-rank run.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterator, Optional
 
 import torch
@@ -79,13 +80,23 @@ class BatchStream:
         dp_rank = parallel_state.get_data_parallel_rank()
         self._dataset = dataset
         self._indices = _sample_indices(consumed, min(total, len(dataset)), micro_batch, dp_size, dp_rank)
+        # Seconds spent producing batches since the last `take_fetch_time()`: data loading
+        # happens inside the schedule's forward step, so the loop subtracts it from compute.
+        self._fetch_time = 0.0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
+        start = time.perf_counter()
         indices = next(self._indices)
-        return _collate([self._dataset[i] for i in indices])
+        batch = _collate([self._dataset[i] for i in indices])
+        self._fetch_time += time.perf_counter() - start
+        return batch
+
+    def take_fetch_time(self) -> float:
+        value, self._fetch_time = self._fetch_time, 0.0
+        return value
 
 
 def chunk_iterators(dataset, config: ExperimentConfig, consumed: int, total: int) -> list[Optional[BatchStream]]:

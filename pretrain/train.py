@@ -67,7 +67,7 @@ class StepResult:
     grad_norm: Optional[float]
     lr: float
     skipped: bool
-    compute_time_s: float  # forward/backward + optimizer
+    compute_time_s: float  # forward/backward + optimizer, excluding data fetch
 
 
 def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig,
@@ -100,7 +100,8 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
         state.scheduler.step(increment=1)
     lr = state.optimizer.param_groups[0]["lr"]
     grad_norm = float(grad_norm) if grad_norm is not None else None
-    return StepResult(loss, grad_norm, lr, skipped, time.perf_counter() - start)
+    fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
+    return StepResult(loss, grad_norm, lr, skipped, time.perf_counter() - start - fetch)
 
 
 @torch.no_grad()
