@@ -70,7 +70,7 @@ def check_blend(blend: list[tuple[float, str]], tokenizer: Tokenizer) -> None:
         made_with = (manifest or {}).get("request", {}).get("tokenizer", {}).get("sha256")
         if made_with and made_with != tokenizer.unique_identifiers["sha256"]:
             raise DatasetConfigError(
-                f"{prefix} was tokenised with {manifest['request']['tokenizer']['spec']!r}, not "
+                f"{prefix} was tokenised with {manifest.get('tokenizer_spec')!r}, not "
                 f"the training tokenizer {tokenizer.spec!r}; re-run preprocess or fix the config")
 
 

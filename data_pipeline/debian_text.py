@@ -2,12 +2,13 @@
 
     python -m data_pipeline.debian_text --corpus kjv jargon --out /tmp/text.jsonl.gz
 
-Corpora (about 71 MB of text in all; `apt-get update` must have run once):
+Corpora (about 57 MB of text in all; `apt-get update` must have run once):
 - kjv: the King James Bible (public domain), one document per chapter, decoded
   by the `bible` program of `bible-kjv` from `bible-kjv-text`'s data;
 - jargon: the Jargon File (public domain), one document per entry;
 - python-doc: Python 3.11's reST documentation sources, one document per page;
-- linux-doc: the Linux 6.12 kernel's reST documentation, one document per file.
+- perl-doc: Perl 5.36's POD manuals, one document per manual;
+- linux-doc: the Linux 6.12 kernel's documentation (.rst and .txt), one document per file.
 
 Packages are fetched with `apt-get download` and unpacked with `dpkg -x` into a
 cache directory (no root install), so a second call costs nothing.
@@ -86,10 +87,13 @@ def _jargon_documents(root: str) -> Iterator[str]:
             yield entry
 
 
-def _files_documents(pattern: str, opener: Callable) -> Callable[[str], Iterator[str]]:
+def _files_documents(*patterns: str) -> Callable[[str], Iterator[str]]:
+    """One document per file matching any of `patterns` (.gz files are decompressed)."""
     def documents(root: str) -> Iterator[str]:
-        for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
-            with opener(path) as f:
+        paths = {p for pattern in patterns for p in glob.glob(os.path.join(root, pattern),
+                                                                recursive=True)}
+        for path in sorted(paths):
+            with (gzip.open(path) if path.endswith(".gz") else open(path, "rb")) as f:
                 text = f.read().decode("utf-8", errors="replace").strip()
             if text:
                 yield text
@@ -100,10 +104,11 @@ CORPORA: dict[str, tuple[list[str], Callable[[str], Iterator[str]]]] = {
     "kjv": (["bible-kjv", "bible-kjv-text"], _kjv_documents),
     "jargon": (["jargon-text"], _jargon_documents),
     "python-doc": (["python3.11-doc"],
-                   _files_documents("usr/share/doc/python3.11/html/_sources/**/*.rst.txt",
-                                    lambda path: open(path, "rb"))),
+                   _files_documents("usr/share/doc/python3.11/html/_sources/**/*.rst.txt")),
+    "perl-doc": (["perl-doc"], _files_documents("usr/share/perl/*/pod/*.pod")),
     "linux-doc": (["linux-doc-6.12"],
-                  _files_documents("usr/share/doc/linux-doc-6.12/Documentation/**/*.rst.gz", gzip.open)),
+                  _files_documents("usr/share/doc/linux-doc-6.12/Documentation/**/*.rst.gz",
+                                   "usr/share/doc/linux-doc-6.12/Documentation/**/*.txt.gz")),
 }
 
 

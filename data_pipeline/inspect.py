@@ -61,7 +61,7 @@ def _print_report(console, info: dict, tokenizer, docs: int, max_chars: int, sca
                       f"{lengths.mean():,.1f} / {lengths.max():,}")
     request = info["manifest"].get("request", {})
     if request:
-        table.add_row("made with", f"{request['tokenizer']['spec']} (eod appended: "
+        table.add_row("made with", f"{info['manifest'].get('tokenizer_spec')} (eod appended: "
                                    f"{request.get('append_eod')})")
     if tokenizer is not None:
         table.add_row("decoding with", tokenizer.describe())
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = args.prefix[:-4] if args.prefix.endswith((".bin", ".idx")) else args.prefix
     try:
         info = summarize(prefix)
-        spec = args.tokenizer or info["manifest"].get("request", {}).get("tokenizer", {}).get("spec")
+        spec = args.tokenizer or info["manifest"].get("tokenizer_spec")
         tokenizer = load_tokenizer(spec) if spec else None
     except (FileNotFoundError, TokenizerLoadError) as err:
         console.print(f"[red]error:[/red] {err}", highlight=False)

@@ -63,23 +63,24 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
         documents += len(index.document_indices) - 1
         tokens += int(index.sequence_lengths.sum(dtype="int64"))
         del index
-        tokenizer = ((read_manifest(prefix) or {}).get("request") or {}).get("tokenizer")
-        if tokenizer:
-            tokenizers[prefix] = tokenizer
+        made = read_manifest(prefix) or {}
+        if (made.get("request") or {}).get("tokenizer"):
+            tokenizers[prefix] = (made["request"]["tokenizer"], made.get("tokenizer_spec"))
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{p} ({d.__name__})" for p, d in dtypes.items())
         raise MergeError(f"inputs store different token dtypes: {listing}; re-tokenise them with "
                          "one tokenizer")
-    if len({t["sha256"] for t in tokenizers.values()}) > 1:
-        listing = ", ".join(f"{p} ({t['spec']})" for p, t in tokenizers.items())
+    if len({t["sha256"] for t, _ in tokenizers.values()}) > 1:
+        listing = ", ".join(f"{p} ({spec})" for p, (_, spec) in tokenizers.items())
         raise MergeError(f"inputs were made by different tokenizers: {listing}")
     if any(os.path.exists(output_prefix + ext) for ext in (".bin", ".idx")) and not overwrite:
         raise MergeError(f"{output_prefix}.bin/.idx already exist; pass --overwrite to replace them")
 
     manifest = {"merged_from": [os.path.abspath(p) for p in prefixes], "documents": documents,
                 "tokens": tokens, "dtype": next(iter(dtypes.values())).__name__}
-    if tokenizers:
-        manifest["request"] = {"tokenizer": next(iter(tokenizers.values()))}
+    if tokenizers:  # what build_gpt_datasets checks against the training tokenizer
+        identity, spec = next(iter(tokenizers.values()))
+        manifest.update(request={"tokenizer": identity}, tokenizer_spec=spec)
     console = console or Console(stderr=True)
     sizes = [os.path.getsize(p + ".bin") for p in prefixes]
     with Progress(TextColumn("[bold]merging"), BarColumn(), TaskProgressColumn(),

@@ -18,6 +18,7 @@ skips outputs that are complete, and after a crash rewrites them byte for byte.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -26,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from data_pipeline.sources import InputError, InputFile, check_readable, iter_chunks, resolve_inputs
-from data_pipeline.tokenizers import TokenizerLoadError, load_tokenizer
+from data_pipeline.tokenizers import TokenizerLoadError, absolute_spec, load_tokenizer
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_EXAMPLES = 10  # bad records quoted in the summary
@@ -60,6 +61,13 @@ class RunSummary:
     @property
     def skipped(self) -> Counter:
         return sum((o.skipped for o in self.outputs), Counter())
+
+    def to_json(self) -> dict:
+        totals = {name: self.total(name) for name in ("documents", "tokens", "text_bytes")}
+        return {**totals, "seconds": self.seconds, "dtype": self.dtype,
+                "skipped": dict(self.skipped),
+                "outputs": [{"prefix": o.prefix, "up_to_date": o.up_to_date,
+                             "documents": o.documents, "tokens": o.tokens} for o in self.outputs]}
 
 
 @dataclass
@@ -100,9 +108,10 @@ def _stem(path: str) -> str:
 
 
 def _request(job: _Job, tokenizer, text_field: str, append_eod: bool, skip_bad: bool) -> dict:
-    """Everything the output bytes depend on; equal requests give equal bytes."""
+    """Everything the output bytes depend on; equal requests give equal bytes. The
+    tokenizer counts by content, so another path to the same file is the same request."""
     return {
-        "tokenizer": {"spec": tokenizer.spec, **tokenizer.unique_identifiers},
+        "tokenizer": dict(tokenizer.unique_identifiers),
         "text_field": text_field,
         "append_eod": append_eod,
         "skip_bad_records": skip_bad,
@@ -163,8 +172,8 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
                 task = bar.add_task("tokenising", total=total, text_bytes=0, documents=0, tokens=0)
                 done: list[OutputStats] = []
                 for index, job, request in todo:
-                    stats[index] = _write_output(job, request, dtype, pool, chunk_bytes, bar, task,
-                                                 done)
+                    stats[index] = _write_output(job, request, absolute_spec(tok.spec), dtype,
+                                                 pool, chunk_bytes, bar, task, done)
                     done.append(stats[index])
         finally:
             pool.close()
@@ -188,8 +197,8 @@ def _progress(console, enabled: bool):
     return byte_progress(console, enabled)
 
 
-def _write_output(job: _Job, request: dict, dtype, pool, chunk_bytes: int, bar, task,
-                  earlier: list[OutputStats]) -> OutputStats:
+def _write_output(job: _Job, request: dict, tokenizer_spec: str, dtype, pool, chunk_bytes: int,
+                  bar, task, earlier: list[OutputStats]) -> OutputStats:
     """Stream one output's inputs through the pool and commit it; nothing visible on error."""
     from data_pipeline.indexed_writer import AtomicIndexedDataset
 
@@ -217,7 +226,8 @@ def _write_output(job: _Job, request: dict, dtype, pool, chunk_bytes: int, bar, 
         if stats.documents == 0:
             raise PreprocessError(f"no documents for {job.prefix}: every record of "
                                   f"{', '.join(s.path for s in job.sources)} was skipped or empty")
-        out.commit({"request": request, "documents": stats.documents, "tokens": stats.tokens,
+        out.commit({"request": request, "tokenizer_spec": tokenizer_spec,
+                    "documents": stats.documents, "tokens": stats.tokens,
                     "text_bytes": stats.text_bytes, "dtype": dtype.__name__,
                     "skipped": dict(stats.skipped)})
     return stats
@@ -303,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help=argparse.SUPPRESS)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--summary-json", metavar="PATH",
+                        help="also write the summary as JSON (for scripts and benchmarks)")
     return parser
 
 
@@ -330,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[red]interrupted[/red]: no output was written (temporary files removed)")
         return 130
     print_summary(console, summary)
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as f:
+            json.dump(summary.to_json(), f, indent=2)
     return 0
 
 

@@ -319,6 +319,15 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.decode([int(i) for i in ids])
 
 
+def absolute_spec(spec: str) -> str:
+    """The spec with an absolute path, so it stays valid from another directory."""
+    if spec == "byte":
+        return spec
+    if spec.startswith(TIKTOKEN_PREFIX):
+        return TIKTOKEN_PREFIX + os.path.abspath(spec[len(TIKTOKEN_PREFIX):])
+    return os.path.abspath(spec)
+
+
 def _none_if_negative(value: int) -> int | None:
     return None if value < 0 else value
 

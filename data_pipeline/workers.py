@@ -63,12 +63,14 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
         except Exception as err:  # a tokenizer bug or limit: name the record that hit it
             result.fatal = f"record {number}: the tokenizer failed: {type(err).__name__}: {err}"
             return result
-        if eod is not None:
-            ids = np.concatenate((ids, eod))
         arrays.append(ids)
-        lengths.append(len(ids))
+        if eod is not None:
+            arrays.append(eod)  # one concatenate per chunk below, not one per document
+        lengths.append(len(ids) + (eod is not None))
     dtype = np.dtype(config.dtype)
-    result.tokens = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+    # Straight into the output dtype (ids < vocab size always fit it: see token_dtype).
+    result.tokens = (np.concatenate(arrays, dtype=dtype, casting="unsafe") if arrays
+                     else np.empty(0, dtype))
     result.lengths = np.asarray(lengths, dtype=np.int32)
     result.text_bytes = text_bytes
     return result
@@ -159,8 +161,10 @@ class WorkerPool:
             except queue.Empty:
                 dead = [p for p in self._procs if p.exitcode is not None]
                 if dead:
-                    raise RuntimeError(f"preprocess worker {dead[0].name} died (exit code "
-                                       f"{dead[0].exitcode}); out of memory or killed?")
+                    raise RuntimeError(
+                        f"preprocess worker {dead[0].name} died (exit code {dead[0].exitcode}): "
+                        "killed, out of memory, or failed to start (its traceback, if any, is "
+                        "above; spawned workers cannot start from a script read from stdin)")
                 continue
             return result
 

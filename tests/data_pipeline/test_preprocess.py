@@ -124,3 +124,16 @@ def test_cli_writes_and_reports(tmp_path, corpus, capsys):
     err = capsys.readouterr().err
     assert "120 documents" in err and "MB/s" in err and "tok/s" in err
     assert len(read_documents(str(tmp_path / "cli"))) == 120
+
+
+def test_same_tokenizer_by_another_path_is_up_to_date(tmp_path, texts):
+    import shutil
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts[:5])
+    shutil.copy(DEMO, tmp_path / "copy.model")
+    preprocess([corpus], tokenizer=DEMO, output_prefix=str(tmp_path / "x"), workers=0)
+    again = preprocess([corpus], tokenizer=str(tmp_path / "copy.model"),
+                       output_prefix=str(tmp_path / "x"), workers=0)
+    assert again.outputs[0].up_to_date
+    manifest = json.loads((tmp_path / "x.meta.json").read_text())
+    assert manifest["tokenizer_spec"].startswith("/") and manifest["tokenizer_spec"].endswith(DEMO)
