@@ -203,6 +203,11 @@ def build_model_chunks(
             rope_scaling_factor=model.rope_scaling_factor,
             vp_stage=vp,
         )
+        if gpt.pre_process and model.position_embedding == "learned_absolute":
+            # Megatron-Core creates learned position embeddings as a plain fp32
+            # torch.nn.Embedding (Megatron-LM casts them through Float16Module, which we do
+            # not use); in fp32 they would turn bf16 hidden states into fp32 ones.
+            gpt.embedding.position_embeddings.to(dtype=params_dtype)
         gpt.to(device)
         chunks.append(gpt)
     initialize_weights(chunks, model, seed)
