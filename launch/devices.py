@@ -1,0 +1,68 @@
+"""Accelerator table for the planner: memory, peak FLOP/s, link bandwidths, GPUs per node.
+
+Peak FLOP/s come from `pretrain.metrics.DEVICE_PEAK_TFLOPS`, the table the training loop
+uses for MFU, so a planned MFU and a measured MFU are relative to the same peak.
+Bandwidths are per GPU and per direction, from NVIDIA's datasheets:
+  NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional -> 450 GB/s each way.
+  InfiniBand NDR, one 400 Gb/s NIC per GPU (DGX/HGX H100): 50 GB/s each way.
+  H100 PCIe: no NVLink switch; PCIe Gen5 x16 is 64 GB/s each way.
+Memory is what `torch.cuda.get_device_properties().total_memory` reports (nvidia-smi's
+81559 MiB for "80 GB" parts, 143771 MiB for H200), not the marketing figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from pretrain.metrics import DEVICE_PEAK_TFLOPS
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Device:
+    name: str
+    memory_gib: float
+    # Dense (no sparsity) peak TFLOP/s per dtype: bf16, fp16, fp8, fp32.
+    peak_tflops: dict[str, float]
+    intra_node_gbps: float  # GB/s per GPU per direction (NVLink, or PCIe without it)
+    inter_node_gbps: float  # GB/s per GPU per direction (InfiniBand)
+    gpus_per_node: int = 8
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    def peak(self, dtype: str, fp8: bool = False) -> float:
+        """Peak FLOP/s (not TFLOP/s) for the math dtype."""
+        return self.peak_tflops["fp8" if fp8 else dtype] * 1e12
+
+
+DEVICES: dict[str, Device] = {
+    "h100-80gb": Device(name="h100-80gb", memory_gib=81559 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h100-sxm"],
+                        intra_node_gbps=450.0, inter_node_gbps=50.0),
+    "h100-pcie": Device(name="h100-pcie", memory_gib=81559 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h100-pcie"],
+                        intra_node_gbps=64.0, inter_node_gbps=50.0),
+    "h200-141gb": Device(name="h200-141gb", memory_gib=143771 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h200"],
+                         intra_node_gbps=450.0, inter_node_gbps=50.0),
+}
+ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb"}
+
+
+class UnknownDeviceError(ValueError):
+    pass
+
+
+def get_device(name: str) -> Device:
+    """The device called `name` (or an alias); unknown names list the known ones."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key in DEVICES:
+        return DEVICES[key]
+    names = sorted([*DEVICES, *ALIASES])
+    close = difflib.get_close_matches(name.lower(), names, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise UnknownDeviceError(
+        f"unknown GPU type {name!r}.{hint} Known: {', '.join(sorted(DEVICES))} "
+        f"(aliases: {', '.join(f'{a}={t}' for a, t in ALIASES.items())})"
+    )

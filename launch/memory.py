@@ -1,0 +1,393 @@
+"""Memory per GPU for a candidate (model x layout x batch x precision x recompute).
+
+Every term is a named function whose docstring holds its formula. Notation: L layers,
+h hidden, f FFN hidden, n heads, g query groups, d head dim, V padded vocab, E experts,
+k router top-k, f_e expert FFN hidden, s sequence, b micro batch; t TP, p PP, v VPP,
+c CP, EP/ETP expert parallel / expert TP, P parameters held by a rank.
+
+Static terms mirror what `pretrain.wrap.wrap_for_training` allocates (Megatron DDP with
+grad_reduce_in_fp32=True, Megatron's mixed-precision / distributed optimizer, Adam);
+tests/launch/test_static_memory.py checks them against the bytes actually allocated.
+Activation terms follow Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (2022), generalised to GQA, SwiGLU, flash attention and MoE; with
+their assumptions (MHA, f=4h, GeLU, dropout, no flash) they reduce to the paper's
+34sbh + 5as^2b per layer (tests check this).
+
+Parameter counts come from `models.flops` (the one place for them); this module only
+decides which of those parameters a rank holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from launch.candidate import Candidate
+from models.config import ModelConfig
+from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params
+
+GIB = 2**30
+# pretrain/wrap.py builds DDP with grad_reduce_in_fp32=True: the grad buffer is fp32
+# whatever the parameter dtype.
+GRAD_BYTES = 4
+MAIN_PARAM_BYTES = 4  # fp32 master weights of 16-bit parameters
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
+
+
+# --------------------------------------------------------------------------------------
+# Which parameters a rank holds
+
+
+def tp_replicated_layer_params(m: ModelConfig) -> int:
+    """Per-layer dense parameters every TP rank holds whole (not split by TP):
+    2 norms (2 x norm_params) + the row-parallel output biases (attention proj h, dense
+    fc2 h, shared-expert fc2 h, when add_bias_linear) + the MoE router (h x E)."""
+    h = m.hidden_size
+    count = 2 * norm_params(m)
+    bias = h if m.add_bias_linear else 0
+    count += bias  # attention output projection bias
+    if m.is_moe:
+        count += h * m.num_experts
+        if m.moe_shared_expert_hidden_size:
+            count += bias
+    else:
+        count += bias  # fc2 bias
+    return count
+
+
+def expert_layer_params(m: ModelConfig) -> int:
+    """Per-layer expert parameters of the whole model: E x mlp_params(f_e); 0 for dense."""
+    return m.num_experts * mlp_params(m, m.expert_ffn_hidden_size) if m.is_moe else 0
+
+
+def dense_layer_params_on_rank(m: ModelConfig, tp: int) -> int:
+    """One layer's non-expert parameters on one rank:
+    R + (layer_params - experts - R) / t, with R = tp_replicated_layer_params."""
+    replicated = tp_replicated_layer_params(m)
+    return replicated + (layer_params(m) - expert_layer_params(m) - replicated) // tp
+
+
+def expert_layer_params_on_rank(m: ModelConfig, ep: int, etp: int) -> int:
+    """One layer's expert parameters on one rank: (E / EP) x [(mlp_params(f_e) - B) / ETP + B],
+    with B = h the fc2 bias (replicated over expert TP) when add_bias_linear."""
+    if not m.is_moe:
+        return 0
+    bias = m.hidden_size if m.add_bias_linear else 0
+    per_expert = (mlp_params(m, m.expert_ffn_hidden_size) - bias) // etp + bias
+    return (m.num_experts // ep) * per_expert
+
+
+def embedding_params_on_rank(m: ModelConfig, tp: int) -> int:
+    """First pipeline stage: word embedding V x h split over TP (vocab-parallel) + learned
+    position embedding max_seq x h (replicated)."""
+    words = m.padded_vocab_size * m.hidden_size
+    positions = embedding_params(m) - words
+    return words // tp + positions
+
+
+def output_params_on_rank(m: ModelConfig, tp: int, pp: int) -> int:
+    """Last pipeline stage: final norm (replicated) + output projection h x V / t.
+    Tied embeddings: at PP=1 the embedding serves as output layer (nothing extra); at PP>1
+    the last stage keeps its own copy (Megatron's shared_embedding, kept equal by an
+    all-reduce of its gradient with the first stage), so h x V / t is held again."""
+    words = m.padded_vocab_size * m.hidden_size
+    norm = output_params(m) - (0 if m.tie_embeddings else words)
+    if m.tie_embeddings and pp == 1:
+        return norm
+    return norm + words // tp
+
+
+@dataclasses.dataclass(frozen=True)
+class RankParams:
+    dense: int  # sharded by the distributed optimizer over DP x CP
+    expert: int  # sharded over expert-DP
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def params_on_rank(c: Candidate, stage: int) -> RankParams:
+    """Parameters on pipeline rank `stage` (0..p-1), all its virtual chunks together:
+    dense = (L/p) x dense_layer + [stage 0] embedding + [stage p-1] output,
+    expert = (L/p) x expert_layer."""
+    m = c.model
+    layers = m.num_layers // c.pp
+    dense = layers * dense_layer_params_on_rank(m, c.tp)
+    if stage == 0:
+        dense += embedding_params_on_rank(m, c.tp)
+    if stage == c.pp - 1:
+        dense += output_params_on_rank(m, c.tp, c.pp)
+    expert = layers * expert_layer_params_on_rank(m, c.ep, c.etp)
+    return RankParams(dense=dense, expert=expert)
+
+
+# --------------------------------------------------------------------------------------
+# Static memory: parameters, gradients, optimizer state
+
+
+def zero_stage_of(c: Candidate) -> int:
+    """Megatron's distributed optimizer is ZeRO-1 (optimizer state sharded, grads and
+    params whole); without it, ZeRO-0."""
+    return 1 if c.distributed_optimizer else 0
+
+
+def _sharded(c: Candidate, p: RankParams, bytes_per: int, sharded: bool) -> float:
+    if not sharded:
+        return p.total * bytes_per
+    return (p.dense / c.dense_shard + p.expert / c.expert_shard) * bytes_per
+
+
+def param_bytes(c: Candidate, stage: int, zero: int) -> float:
+    """Model parameters: P x bytes(dtype) (2 for bf16/fp16, 4 for fp32);
+    ZeRO-3 what-if: P_dense / (DP x CP) + P_expert / expert-DP."""
+    return _sharded(c, params_on_rank(c, stage), c.param_bytes, zero >= 3)
+
+
+def grad_bytes(c: Candidate, stage: int, zero: int) -> float:
+    """Gradient buffer: P x 4 (fp32, grad_reduce_in_fp32=True) on every DP rank under
+    ZeRO-0/1 (the distributed optimizer reduce-scatters into the full buffer);
+    ZeRO-2/3 what-if: divided by the DP shard sizes."""
+    return _sharded(c, params_on_rank(c, stage), GRAD_BYTES, zero >= 2)
+
+
+def main_param_bytes(c: Candidate, stage: int, zero: int) -> float:
+    """fp32 master weights of 16-bit parameters: 4 x P, or 4 x (P_dense / (DP x CP) +
+    P_expert / expert-DP) under ZeRO>=1. fp32 parameters need none (the optimizer
+    updates them in place; the distributed optimizer uses views of them)."""
+    if c.param_bytes == 4:
+        return 0.0
+    return _sharded(c, params_on_rank(c, stage), MAIN_PARAM_BYTES, zero >= 1)
+
+
+def optimizer_state_bytes(c: Candidate, stage: int, zero: int) -> float:
+    """Adam moments exp_avg and exp_avg_sq in fp32: 8 x P, sharded as main params under
+    ZeRO>=1: 8 x (P_dense / (DP x CP) + P_expert / expert-DP)."""
+    return _sharded(c, params_on_rank(c, stage), ADAM_STATE_BYTES, zero >= 1)
+
+
+# --------------------------------------------------------------------------------------
+# Activations (bytes per layer per microbatch unless said otherwise)
+#
+# T = s b / c tokens per rank (CP splits the sequence); z = t with sequence parallelism
+# (the tensors TP would replicate are split along the sequence), else 1; e = bytes per
+# activation element (2 for bf16/fp16, 4 for fp32); masks are 1 byte per element.
+
+
+def _tokens(c: Candidate) -> float:
+    return c.seq_length * c.micro_batch / c.cp
+
+
+def _sp(c: Candidate) -> int:
+    return c.tp if c.layout.sequence_parallel else 1
+
+
+def norm_activation_bytes(c: Candidate) -> float:
+    """Inputs of the two norms: 2 e T h / z (paper: 4sbh)."""
+    return 2 * c.act_bytes * _tokens(c) * c.model.hidden_size / _sp(c)
+
+
+def attention_activation_bytes(c: Candidate) -> float:
+    """Attention except the s x s scores: QKV input e T h / z + Q, K, V e T (n d + 2 g d) / t
+    + output-projection input e T n d / t + dropout mask T h / z (if dropout).
+    Paper (MHA, e=2): 2sbh + 6sbh/t + 2sbh/t + sbh = 11sbh at t=1."""
+    m, e, T = c.model, c.act_bytes, _tokens(c)
+    nd, gd = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
+    count = e * T * m.hidden_size / _sp(c) + e * T * (nd + 2 * gd) / c.tp + e * T * nd / c.tp
+    if c.dropout:
+        count += T * m.hidden_size / _sp(c)
+    return count
+
+
+def score_activation_bytes(c: Candidate) -> float:
+    """Core attention. Unfused: softmax output e b (n/t) (s/c) s, plus with dropout its
+    mask b (n/t) (s/c) s and output e b (n/t) (s/c) s (paper: 5as^2b/t).
+    Flash attention keeps no s x s matrix, only the fp32 log-sum-exp 4 b (n/t) (s/c).
+    (Selective recompute drops this term: see layer_activation_bytes.)"""
+    rows = c.micro_batch * (c.model.num_attention_heads / c.tp) * (c.seq_length / c.cp)
+    if c.flash_attention:
+        return 4 * rows
+    per = c.act_bytes + (1 + c.act_bytes if c.dropout else 0)
+    return per * rows * c.seq_length
+
+
+def _mlp_inputs_bytes(c: Candidate, ffn: int, split: int) -> float:
+    """e T f (3 if gated else 2) / split: activation-function input (2f for SwiGLU) and fc2 input."""
+    return c.act_bytes * _tokens(c) * ffn * (3 if c.model.gated else 2) / split
+
+
+def mlp_activation_bytes(c: Candidate) -> float:
+    """Dense MLP: fc1 input e T h / z + activation input e T f (2 if gated else 1) / t + fc2
+    input e T f / t + dropout mask T h / z. Paper (f=4h, GeLU, e=2): 2sbh + 16sbh/t + sbh = 19sbh."""
+    m, T = c.model, _tokens(c)
+    count = c.act_bytes * T * m.hidden_size / _sp(c) + _mlp_inputs_bytes(c, m.ffn_hidden_size, c.tp)
+    if c.dropout:
+        count += T * m.hidden_size / _sp(c)
+    return count
+
+
+def moe_activation_bytes(c: Candidate) -> float:
+    """MoE MLP (dropless, balanced routing): router input e T h / z + fp32 router logits
+    4 T E / z; each rank then processes k T / z routed tokens on average, each storing
+    its permuted input e h, activation input e f_e (2 if gated else 1) / ETP, fc2 input
+    e f_e / ETP and expert output e h (kept for the probability-weighted combine);
+    + shared expert e T f_s (3 if gated else 2) / t + dropout mask T h / z."""
+    m, e, T, z = c.model, c.act_bytes, _tokens(c), _sp(c)
+    h, fe = m.hidden_size, m.expert_ffn_hidden_size
+    routed = m.moe_router_topk * T / z
+    count = e * T * h / z + 4 * T * m.num_experts / z
+    count += routed * (2 * e * h + e * fe * (3 if m.gated else 2) / c.etp)
+    if m.moe_shared_expert_hidden_size:
+        count += _mlp_inputs_bytes(c, m.moe_shared_expert_hidden_size, c.tp)
+    if c.dropout:
+        count += T * h / z
+    return count
+
+
+def full_layer_activation_bytes(c: Candidate) -> float:
+    """One layer, nothing recomputed: norms + attention + scores + (MoE) MLP.
+    Paper: sbh (34 + 5as/h) without TP; sbh (10 + 24/t + 5as/(ht)) with TP;
+    sbh/t (34 + 5as/h) with TP + SP."""
+    mlp = moe_activation_bytes(c) if c.model.is_moe else mlp_activation_bytes(c)
+    return (norm_activation_bytes(c) + attention_activation_bytes(c)
+            + score_activation_bytes(c) + mlp)
+
+
+def layer_activation_bytes(c: Candidate) -> float:
+    """What one layer keeps per in-flight microbatch:
+    none: full_layer_activation_bytes; selective: the same without the score term
+    (paper: 34sbh/t with SP); full: only the layer input e T h / z (paper: 2sbh/t)."""
+    if c.recompute == "full":
+        return c.act_bytes * _tokens(c) * c.model.hidden_size / _sp(c)
+    full = full_layer_activation_bytes(c)
+    if c.recompute == "selective":
+        return full - score_activation_bytes(c)
+    return full
+
+
+def recompute_working_bytes(c: Candidate) -> float:
+    """Full recompute re-runs one layer's forward inside its backward, so one layer's
+    full activations (full_layer_activation_bytes) exist at a time; 0 otherwise."""
+    return full_layer_activation_bytes(c) if c.recompute == "full" else 0.0
+
+
+def embedding_activation_bytes(c: Candidate) -> float:
+    """First stage: the embedding's dropout mask T h / z per microbatch (0 without dropout;
+    its output is the first layer's norm input, counted there)."""
+    return _tokens(c) * c.model.hidden_size / _sp(c) if c.dropout else 0.0
+
+
+def output_activation_bytes(c: Candidate) -> float:
+    """Last stage, one microbatch (its backward starts right after its forward): final norm
+    input e T h / z + output-layer input e T h / z + fp32 logits in the vocab-parallel
+    cross entropy 4 T V / t. Paper (e=2, SP): 4sbh/t (1 + V/h)."""
+    m, e, T = c.model, c.act_bytes, _tokens(c)
+    return 2 * e * T * m.hidden_size / _sp(c) + 4 * T * m.padded_vocab_size / c.tp
+
+
+def inflight_chunks(c: Candidate, stage: int) -> int:
+    """(microbatch, model chunk) pairs whose activations pipeline rank `stage` holds at the
+    peak; each chunk is L/(p v) layers.
+      no pipeline (p=1): 1 (gradient accumulation runs one microbatch at a time);
+      1F1B: min(p - stage, M) - stage 0 holds p microbatches of L/p layers = L layers;
+      interleaved 1F1B: min(2 (p - stage - 1) + (v - 1) p + 1, M v) (Megatron's warmup
+      count + 1) - stage 0 holds L (1 + (p - 1)/(p v)) layers, as in the paper."""
+    p, v, m = c.pp, c.vpp, c.num_microbatches
+    if p == 1:
+        return 1
+    if v == 1:
+        return min(p - stage, m)
+    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+
+
+def activation_bytes(c: Candidate, stage: int) -> float:
+    """Activations on pipeline rank `stage` at its peak:
+    inflight_chunks x L/(p v) x layer_activation_bytes + recompute_working_bytes
+    + [stage 0] ceil(inflight / v) x embedding_activation_bytes
+    + [stage p-1] output_activation_bytes."""
+    chunks = inflight_chunks(c, stage)
+    layers_per_chunk = c.model.num_layers / (c.pp * c.vpp)
+    total = chunks * layers_per_chunk * layer_activation_bytes(c) + recompute_working_bytes(c)
+    if stage == 0:
+        total += -(-chunks // c.vpp) * embedding_activation_bytes(c)
+    if stage == c.pp - 1:
+        total += output_activation_bytes(c)
+    return total
+
+
+# --------------------------------------------------------------------------------------
+# Overhead and the total
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    # CUDA context, NCCL communicators and their buffers, cuBLAS / Transformer Engine
+    # workspaces: not tensors the model allocates, but they take device memory.
+    framework_gib: float = 3.0
+    # Caching-allocator fragmentation and short-lived temporaries (SP all-gathers,
+    # cross-entropy scratch), as a fraction of the activation memory.
+    fragmentation: float = 0.10
+    # ZeRO stage what-if (0-3); None = what the config does (1 with the distributed optimizer).
+    zero_stage: Optional[int] = None
+
+
+def overhead_bytes(activations: float, options: MemoryOptions) -> float:
+    """framework_gib x 2^30 + fragmentation x activations."""
+    return options.framework_gib * GIB + options.fragmentation * activations
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    stage: int  # pipeline rank this breakdown is for
+    params: float
+    grads: float
+    main_params: float
+    optimizer_states: float
+    activations: float
+    overhead: float
+
+    @property
+    def static(self) -> float:
+        return self.params + self.grads + self.main_params + self.optimizer_states
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations + self.overhead
+
+    def terms(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "main params": self.main_params,
+                "optimizer": self.optimizer_states, "activations": self.activations,
+                "overhead": self.overhead}
+
+    def describe(self) -> str:
+        """'params 14.9 + grads 29.9 + ... = 81.2 GiB (stage 0)'."""
+        parts = " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.terms().items() if v)
+        return f"{parts} = {self.total / GIB:.1f} GiB (pipeline stage {self.stage})"
+
+
+def memory_on_stage(c: Candidate, stage: int, options: MemoryOptions = MemoryOptions()) -> MemoryBreakdown:
+    """Every term for pipeline rank `stage`."""
+    zero = zero_stage_of(c) if options.zero_stage is None else options.zero_stage
+    acts = activation_bytes(c, stage)
+    return MemoryBreakdown(
+        stage=stage,
+        params=param_bytes(c, stage, zero),
+        grads=grad_bytes(c, stage, zero),
+        main_params=main_param_bytes(c, stage, zero),
+        optimizer_states=optimizer_state_bytes(c, stage, zero),
+        activations=acts,
+        overhead=overhead_bytes(acts, options),
+    )
+
+
+def peak_memory(c: Candidate, options: MemoryOptions = MemoryOptions()) -> MemoryBreakdown:
+    """The pipeline rank that needs the most memory (usually stage 0: most microbatches in
+    flight; sometimes the last: output layer and logits)."""
+    return max((memory_on_stage(c, s, options) for s in edge_stages(c)), key=lambda b: b.total)
+
+
+def edge_stages(c: Candidate) -> tuple[int, ...]:
+    """Stages that can be the largest: a middle stage holds no more parameters than stage 0
+    (which adds the embedding) and no more microbatches in flight, so only the first and
+    the last stage need evaluating."""
+    return (0,) if c.pp == 1 else (0, c.pp - 1)

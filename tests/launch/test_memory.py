@@ -1,0 +1,200 @@
+"""Each memory term against values computed by hand for small configs, and the activation
+terms against the formulas of Korthikanti et al. (2022) under the paper's assumptions."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch.candidate import Candidate
+from launch.memory import (
+    MemoryOptions,
+    activation_bytes,
+    attention_activation_bytes,
+    dense_layer_params_on_rank,
+    embedding_params_on_rank,
+    expert_layer_params_on_rank,
+    full_layer_activation_bytes,
+    grad_bytes,
+    inflight_chunks,
+    layer_activation_bytes,
+    main_param_bytes,
+    memory_on_stage,
+    mlp_activation_bytes,
+    moe_activation_bytes,
+    norm_activation_bytes,
+    optimizer_state_bytes,
+    output_activation_bytes,
+    output_params_on_rank,
+    overhead_bytes,
+    param_bytes,
+    params_on_rank,
+    peak_memory,
+    recompute_working_bytes,
+    score_activation_bytes,
+    tp_replicated_layer_params,
+)
+from models.config import ModelConfig
+from models.layout import ParallelLayout
+
+# h=8, 2 heads of d=4, 1 KV group, SwiGLU f=16, V=128: per layer attention 8*(8+8) + 8*8 =
+# 192, MLP 8*32 + 16*8 = 384, norms 2*8 -> 592.
+LLAMA = ModelConfig(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                    num_query_groups=1, vocab_size=128, max_seq_length=16)
+# GPT style: biases, LayerNorm (weight + bias), GeLU f=32, learned positions, tied.
+GPT = ModelConfig(num_layers=2, hidden_size=8, ffn_hidden_size=32, num_attention_heads=2, vocab_size=128,
+                  max_seq_length=16, normalization="LayerNorm", activation="gelu",
+                  position_embedding="learned_absolute", add_bias_linear=True, add_qkv_bias=True,
+                  tie_embeddings=True)
+# 4 SwiGLU experts of f_e=8 (8*16 + 8*8 = 192 each), router 8*4 = 32.
+MOE = LLAMA.model_copy(update=dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8))
+
+
+def cand(model=LLAMA, *, world=1, mbs=2, gbs=None, seq=16, dtype="bf16", dist=True, recompute="none",
+         flash=False, dropout=False, **layout) -> Candidate:
+    lay = ParallelLayout(**layout)
+    return Candidate(model=model, layout=lay, world_size=world, micro_batch=mbs,
+                     global_batch=gbs or mbs * lay.data_parallel(world), seq_length=seq, dtype=dtype,
+                     recompute=recompute, distributed_optimizer=dist, flash_attention=flash, dropout=dropout)
+
+
+def test_parameters_per_rank_dense():
+    assert tp_replicated_layer_params(LLAMA) == 16
+    assert dense_layer_params_on_rank(LLAMA, 1) == 592
+    assert dense_layer_params_on_rank(LLAMA, 2) == 16 + 576 // 2
+    assert embedding_params_on_rank(LLAMA, 2) == 128 * 8 // 2
+    assert output_params_on_rank(LLAMA, 2, 1) == 8 + 1024 // 2
+    c = cand(world=8, tensor_parallel=2, pipeline_parallel=2)
+    assert params_on_rank(c, 0).total == 304 + 512  # one layer + embedding
+    assert params_on_rank(c, 1).total == 304 + 520  # one layer + final norm + output layer
+
+
+def test_parameters_per_rank_biases_positions_tied():
+    # attention 8*24 + 8*8 + 24 + 8 = 288, MLP 8*32 + 32*8 + 32 + 8 = 552, LayerNorms 2*16 -> 872;
+    # replicated: LayerNorms 32 + proj bias 8 + fc2 bias 8 = 48.
+    assert tp_replicated_layer_params(GPT) == 48
+    assert dense_layer_params_on_rank(GPT, 2) == 48 + (872 - 48) // 2
+    assert embedding_params_on_rank(GPT, 2) == 1024 // 2 + 16 * 8  # positions are not split
+    assert output_params_on_rank(GPT, 2, 1) == 16  # tied, PP=1: just the final LayerNorm
+    assert output_params_on_rank(GPT, 2, 2) == 16 + 512  # tied, PP>1: the last stage's copy
+
+
+def test_parameters_per_rank_moe():
+    assert expert_layer_params_on_rank(MOE, 2, 1) == 2 * 192
+    assert expert_layer_params_on_rank(MOE, 2, 2) == 2 * 96
+    # dense part: norms 16 + router 32 replicated; attention 192 split.
+    assert dense_layer_params_on_rank(MOE, 2) == 48 + 192 // 2
+    c = cand(MOE, world=8, tensor_parallel=2, expert_parallel=2)
+    p = params_on_rank(c, 0)
+    assert (p.dense, p.expert) == (2 * 144 + 512 + 520, 2 * 192)
+    assert (c.dense_shard, c.expert_shard) == (4, 2)
+    # Adam moments: 8 bytes x (dense / 4 + expert / 2).
+    assert optimizer_state_bytes(c, 0, zero=1) == 8 * (1320 / 4 + 384 / 2)
+
+
+def test_static_bytes_and_zero_stages():
+    c = cand(world=8, tensor_parallel=2, pipeline_parallel=2)  # DP=2, bf16
+    P = 816
+    assert param_bytes(c, 0, zero=1) == 2 * P
+    assert grad_bytes(c, 0, zero=1) == 4 * P  # fp32 grad buffer, not sharded under ZeRO-1
+    assert main_param_bytes(c, 0, zero=1) == 4 * P / 2
+    assert optimizer_state_bytes(c, 0, zero=1) == 8 * P / 2
+    assert main_param_bytes(c, 0, zero=0) == 4 * P
+    assert optimizer_state_bytes(c, 0, zero=0) == 8 * P
+    assert grad_bytes(c, 0, zero=2) == 4 * P / 2
+    assert param_bytes(c, 0, zero=2) == 2 * P
+    assert param_bytes(c, 0, zero=3) == 2 * P / 2
+    fp32 = cand(world=8, tensor_parallel=2, pipeline_parallel=2, dtype="fp32")
+    assert param_bytes(fp32, 0, zero=1) == 4 * P
+    assert main_param_bytes(fp32, 0, zero=1) == 0  # fp32 params are their own master copy
+    assert memory_on_stage(c, 0, MemoryOptions(zero_stage=0)).optimizer_states == 8 * P
+    assert memory_on_stage(cand(world=8, tensor_parallel=2, pipeline_parallel=2, dist=False), 0).main_params == 4 * P
+
+
+# Korthikanti et al. assume MHA, f = 4h, GeLU, 16-bit activations, dropout, no flash
+# attention: per layer sbh (34 + 5as/h); TP: sbh (10 + 24/t + 5as/(ht)); TP+SP: sbh/t (34 +
+# 5as/h); selective (+SP): 34 sbh/t; full: 2 sbh (/t with SP).
+PAPER = ModelConfig(num_layers=4, hidden_size=8, ffn_hidden_size=32, num_attention_heads=2, vocab_size=128,
+                    max_seq_length=16, activation="gelu", normalization="LayerNorm")
+S, B, H, A = 16, 2, 8, 2
+SBH = S * B * H
+
+
+def paper(**kw) -> Candidate:
+    return cand(PAPER, mbs=B, seq=S, dropout=True, flash=False, **kw)
+
+
+def test_activation_per_layer_matches_paper_without_parallelism():
+    c = paper()
+    assert norm_activation_bytes(c) == 4 * SBH
+    assert attention_activation_bytes(c) == 11 * SBH
+    assert score_activation_bytes(c) == 5 * A * S * S * B
+    assert mlp_activation_bytes(c) == 19 * SBH
+    assert full_layer_activation_bytes(c) == SBH * (34 + 5 * A * S / H)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_activation_per_layer_matches_paper_with_tp(t):
+    world = t
+    assert layer_activation_bytes(paper(world=world, tensor_parallel=t)) == pytest.approx(
+        SBH * (10 + 24 / t + 5 * A * S / (H * t)))
+    sp = dict(world=world, tensor_parallel=t, sequence_parallel=True)
+    assert layer_activation_bytes(paper(**sp)) == pytest.approx(SBH / t * (34 + 5 * A * S / H))
+    assert layer_activation_bytes(paper(recompute="selective", **sp)) == pytest.approx(34 * SBH / t)
+    assert layer_activation_bytes(paper(recompute="full", **sp)) == pytest.approx(2 * SBH / t)
+    assert layer_activation_bytes(paper(recompute="full", world=world, tensor_parallel=t)) == 2 * SBH
+
+
+def test_activation_gqa_swiglu_flash_and_cp():
+    # LLAMA: n d = 8, g d = 4, f = 16 (SwiGLU: activation input 2f), bf16, no dropout, flash.
+    c = cand(LLAMA, mbs=2, seq=16, flash=True)
+    T = 32
+    assert attention_activation_bytes(c) == 2 * T * (8 + (8 + 8) + 8)
+    assert mlp_activation_bytes(c) == 2 * T * (8 + 32 + 16)
+    assert score_activation_bytes(c) == 4 * 2 * 2 * 16  # fp32 log-sum-exp per (batch, head, query)
+    cp = cand(LLAMA, world=2, mbs=2, seq=16, flash=True, context_parallel=2)
+    assert layer_activation_bytes(cp) == pytest.approx(layer_activation_bytes(c) / 2)
+
+
+def test_moe_activation_hand_computed():
+    c = cand(MOE, mbs=1, seq=16, flash=True)
+    T, e, h, k, fe = 16, 2, 8, 2, 8
+    expected = e * T * h + 4 * T * 4 + k * T * (2 * e * h + e * fe * 3)
+    assert moe_activation_bytes(c) == expected
+
+
+def test_output_and_recompute_working_set():
+    c = cand(LLAMA, mbs=2, seq=16, world=2, tensor_parallel=2, sequence_parallel=True)
+    T = 32
+    assert output_activation_bytes(c) == 2 * 2 * T * 8 / 2 + 4 * T * 128 / 2
+    full = cand(LLAMA, mbs=2, seq=16, recompute="full")
+    assert recompute_working_bytes(full) == full_layer_activation_bytes(full)
+    assert recompute_working_bytes(cand(LLAMA)) == 0
+
+
+def test_inflight_microbatches_1f1b_and_interleaved():
+    deep = LLAMA.model_copy(update=dict(num_layers=8))
+    one_f_one_b = cand(deep, world=4, gbs=16, mbs=2, pipeline_parallel=4)  # M = 8
+    assert [inflight_chunks(one_f_one_b, s) for s in range(4)] == [4, 3, 2, 1]
+    few = cand(deep, world=4, gbs=4, mbs=2, pipeline_parallel=4)  # M = 2 < p
+    assert inflight_chunks(few, 0) == 2
+    inter = cand(deep, world=4, gbs=16, mbs=2, pipeline_parallel=4, virtual_pipeline=2)
+    # stage 0: 2(p-1) + (v-1)p + 1 = 11 chunks of L/(pv) = 1 layer = L (1 + (p-1)/(pv)) layers.
+    assert inflight_chunks(inter, 0) == 11
+    assert inflight_chunks(inter, 0) * 1 == pytest.approx(8 * (1 + 3 / 8))
+    assert inflight_chunks(cand(deep, gbs=16, mbs=2), 0) == 1  # no pipeline: one at a time
+
+
+def test_stage_activations_and_peak():
+    deep = LLAMA.model_copy(update=dict(num_layers=8))
+    c = cand(deep, world=4, gbs=16, mbs=2, pipeline_parallel=4, flash=True)
+    per_layer = layer_activation_bytes(c)
+    assert activation_bytes(c, 0) == 4 * 2 * per_layer  # 4 microbatches x 2 layers
+    assert activation_bytes(c, 3) == 1 * 2 * per_layer + output_activation_bytes(c)
+    peak = peak_memory(c, MemoryOptions(framework_gib=0, fragmentation=0))
+    stages = [memory_on_stage(c, s, MemoryOptions(framework_gib=0, fragmentation=0)).total for s in range(4)]
+    assert peak.total == max(stages)
+
+
+def test_overhead():
+    opts = MemoryOptions(framework_gib=2.0, fragmentation=0.25)
+    assert overhead_bytes(4e9, opts) == 2 * 2**30 + 1e9
