@@ -1,0 +1,192 @@
+"""Time per training step for a candidate on a device: compute, pipeline bubble, and the
+communication of every parallel dimension.
+
+FLOPs come from `models.flops` (the formula the training metrics use for TFLOP/s and
+MFU). Compute time = FLOPs / (peak x achievable fraction). Collectives use ring formulas
+over the link the group spans (NVLink inside a node, InfiniBand across nodes):
+  all-reduce     2 (n-1)/n x B / bw
+  reduce-scatter (n-1)/n x B / bw   (B = the full, unsharded tensor)
+  all-gather     (n-1)/n x B / bw
+Each communication time is multiplied by (1 - overlap) for its kind: the part not hidden
+behind compute. Latency terms are ignored (messages here are MBs to GBs).
+
+Step = t_mb x (M + (p-1)/v) + PP send/recv + DP gradient sync, where t_mb is the slowest
+pipeline stage's time for one microbatch (compute + TP + CP + EP), M microbatches, and
+(p-1)/v the interleaved-1F1B bubble in units of t_mb.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from launch.candidate import Candidate
+from launch.devices import Device
+from launch.memory import GRAD_BYTES, edge_stages, params_on_rank
+from models.flops import forward_flops_per_token, training_flops_per_step
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ThroughputOptions:
+    # Fraction of the datasheet peak that the matmuls reach (cuBLAS large GEMMs ~70-80%,
+    # attention and element-wise kernels lower); communication and bubble are modelled
+    # separately, so this is not the end-to-end MFU.
+    efficiency: float = 0.6
+    # Fraction of the link bandwidth NCCL reaches (bus bandwidth / link bandwidth).
+    bus_efficiency: float = 0.8
+    # Fraction of each communication hidden behind compute. Defaults follow what our
+    # wrap/build configure: no TP-comm overlap, no overlap_grad_reduce, blocking EP
+    # all-to-all and PP send/recv; Transformer Engine's ring attention prefetches the next
+    # KV block while computing on the current one, so CP is mostly hidden.
+    tp_overlap: float = 0.0
+    cp_overlap: float = 0.8
+    ep_overlap: float = 0.0
+    pp_overlap: float = 0.0
+    dp_overlap: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    step_s: float
+    compute_s: float  # M x slowest stage's compute per microbatch
+    bubble_s: float
+    comm_s: dict[str, float]  # exposed seconds per step, by kind (tp, cp, ep, pp, dp)
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (as in metrics.jsonl), not counting recompute
+    mfu: float
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(self.comm_s.values())
+
+
+def layer_and_logit_flops(c: Candidate) -> tuple[float, float]:
+    """Forward FLOPs per token of one layer (X) and of the logits (Y), read off
+    models.flops.forward_flops_per_token F(L) = L X + Y: X = F(2) - F(1), Y = F(1) - X."""
+    one = forward_flops_per_token(c.model.model_copy(update={"num_layers": 1}), c.seq_length)
+    two = forward_flops_per_token(c.model.model_copy(update={"num_layers": 2}), c.seq_length)
+    return two - one, 2 * one - two
+
+
+def recompute_flops_per_layer(c: Candidate) -> float:
+    """Extra forward FLOPs per token per layer spent recomputing: full -> the whole layer
+    (X); selective -> core attention, the part of F that grows with s:
+    (F(s) - F(0)) / L; none -> 0."""
+    if c.recompute == "full":
+        return layer_and_logit_flops(c)[0]
+    if c.recompute == "selective":
+        m = c.model
+        return (forward_flops_per_token(m, c.seq_length) - forward_flops_per_token(m, 0)) / m.num_layers
+    return 0.0
+
+
+def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOptions) -> float:
+    """One microbatch through pipeline rank `stage`, forward + backward:
+    s b [(L/p)(3 X + recompute) + (last stage) 3 Y] / (t c) / (peak x efficiency)."""
+    layer, logits = layer_and_logit_flops(c)
+    per_token = (c.model.num_layers / c.pp) * (3 * layer + recompute_flops_per_layer(c))
+    if stage == c.pp - 1:
+        per_token += 3 * logits
+    flops = per_token * c.seq_length * c.micro_batch / (c.tp * c.cp)
+    return flops / (device.peak(c.dtype, c.fp8) * opts.efficiency)
+
+
+def _bandwidth(span: int, device: Device, opts: ThroughputOptions) -> float:
+    """Bytes/s for a group whose ranks cover `span` consecutive ranks: NVLink if that fits
+    in a node, else InfiniBand."""
+    gbps = device.intra_node_gbps if span <= device.gpus_per_node else device.inter_node_gbps
+    return gbps * 1e9 * opts.bus_efficiency
+
+
+def _passes(c: Candidate) -> int:
+    """Forward + backward (+ one more forward with full recompute)."""
+    return 3 if c.recompute == "full" else 2
+
+
+def tp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """TP per microbatch on one stage: each layer does 2 all-reduces in forward and 2 in
+    backward (with SP: all-gather + reduce-scatter pairs of the same volume), 2 more under
+    full recompute; B = e (s/c) b h:  (L/p) x 2 x passes x 2 (t-1)/t x B / bw(TP)."""
+    if c.tp == 1:
+        return 0.0
+    size = c.act_bytes * c.seq_length / c.cp * c.micro_batch * c.model.hidden_size
+    per_allreduce = 2 * (c.tp - 1) / c.tp * size / _bandwidth(c.tp, device, opts)
+    return (c.model.num_layers / c.pp) * 2 * _passes(c) * per_allreduce
+
+
+def cp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """CP ring attention per microbatch on one stage: forward passes the K,V block
+    (2 e (s/c) b g d / t bytes) c-1 times, backward passes K,V and dK,dV (2 (c-1) blocks),
+    full recompute one forward more: (L/p) x (c-1) x (1 + 2 [+1]) x KV / bw(TP x CP)."""
+    if c.cp == 1:
+        return 0.0
+    m = c.model
+    kv = 2 * c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * m.query_groups * m.head_dim / c.tp
+    hops = (c.cp - 1) * (3 + (1 if c.recompute == "full" else 0))
+    return (m.num_layers / c.pp) * hops * kv / _bandwidth(c.tp * c.cp, device, opts)
+
+
+def ep_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """EP all-to-all per microbatch on one stage: dispatch + combine in forward and in
+    backward (2 more under full recompute); each sends k e (s/c) b h / z bytes of routed
+    tokens, (EP-1)/EP of them off-rank: (L/p) x 2 x passes x that / bw(ETP x EP)."""
+    if c.ep == 1 or not c.model.is_moe:
+        return 0.0
+    z = c.tp if c.layout.sequence_parallel else 1
+    m = c.model
+    routed = m.moe_router_topk * c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * m.hidden_size / z
+    per_all_to_all = routed * (c.ep - 1) / c.ep / _bandwidth(c.etp * c.ep, device, opts)
+    return (m.num_layers / c.pp) * 2 * _passes(c) * per_all_to_all
+
+
+def pp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """PP per step on one rank: every microbatch enters each of its v chunks once forward
+    and once backward: 2 v M x e (s/c) b h / z bytes / bw (PP neighbours are world/p ranks
+    apart: NVLink only when the whole job is one node)."""
+    if c.pp == 1:
+        return 0.0
+    z = c.tp if c.layout.sequence_parallel else 1
+    size = c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * c.model.hidden_size / z
+    return 2 * c.vpp * c.num_microbatches * size / _bandwidth(c.world_size, device, opts)
+
+
+def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """DP gradient sync per step, on the rank with most parameters: distributed optimizer:
+    reduce-scatter of the fp32 grads (d-1)/d x 4 P + all-gather of the updated params
+    (d-1)/d x e P; otherwise an all-reduce 2 (d-1)/d x 4 P. Dense params over d = DP x CP,
+    expert params over expert-DP; the group spans world/p ranks."""
+    bw = _bandwidth(c.world_size // c.pp, device, opts)
+    total = 0.0
+    worst = max((params_on_rank(c, s) for s in edge_stages(c)), key=lambda p: p.total)
+    for count, d in ((worst.dense, c.dense_shard), (worst.expert, c.expert_shard)):
+        if d == 1 or count == 0:
+            continue
+        if c.distributed_optimizer:
+            total += (d - 1) / d * count * (GRAD_BYTES + c.param_bytes) / bw
+        else:
+            total += 2 * (d - 1) / d * count * GRAD_BYTES / bw
+    return total
+
+
+def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = ThroughputOptions()) -> StepEstimate:
+    """Time per step, tokens/s, model TFLOP/s per GPU and MFU for `c` on `device`."""
+    exposed = {
+        "tp": tp_comm_s(c, device, opts) * (1 - opts.tp_overlap),
+        "cp": cp_comm_s(c, device, opts) * (1 - opts.cp_overlap),
+        "ep": ep_comm_s(c, device, opts) * (1 - opts.ep_overlap),
+    }
+    compute_mb = max(stage_compute_s(c, s, device, opts) for s in edge_stages(c))
+    t_mb = compute_mb + sum(exposed.values())
+    m = c.num_microbatches
+    bubble = t_mb * (c.pp - 1) / c.vpp
+    comm = {k: v * m for k, v in exposed.items()}
+    comm["pp"] = pp_comm_s(c, device, opts) * (1 - opts.pp_overlap)
+    comm["dp"] = dp_comm_s(c, device, opts) * (1 - opts.dp_overlap)
+    step = t_mb * m + bubble + comm["pp"] + comm["dp"]
+    tokens = c.global_batch * c.seq_length
+    model_flops = training_flops_per_step(c.model, c.seq_length, c.global_batch)
+    tflops = model_flops / step / c.world_size / 1e12
+    return StepEstimate(
+        step_s=step, compute_s=compute_mb * m, bubble_s=bubble, comm_s=comm,
+        tokens_per_s=tokens / step, tflops_per_gpu=tflops,
+        mfu=tflops * 1e12 / device.peak(c.dtype, c.fp8),
+    )

@@ -1,0 +1,110 @@
+"""Throughput model terms against hand-computed values, and its TFLOP/s against the
+training metrics' own formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch.candidate import Candidate
+from launch.devices import Device, UnknownDeviceError, get_device
+from launch.throughput import (
+    ThroughputOptions,
+    cp_comm_s,
+    dp_comm_s,
+    ep_comm_s,
+    estimate_step,
+    layer_and_logit_flops,
+    pp_comm_s,
+    recompute_flops_per_layer,
+    stage_compute_s,
+    tp_comm_s,
+)
+from models.config import ModelConfig
+from models.layout import ParallelLayout
+from pretrain.metrics import Throughput
+
+# The config of tests/models/test_config_flops.py: per layer 1408 forward FLOPs/token
+# (of which 256 are attention scores at s=16), logits 2048.
+M = ModelConfig(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
+                vocab_size=128, max_seq_length=16)
+# 1 TFLOP/s, 1 GB/s inside a node of 4, 0.1 GB/s across nodes: easy numbers.
+DEV = Device(name="test", memory_gib=1.0, peak_tflops={"bf16": 1.0, "fp8": 2.0, "fp32": 0.5, "fp16": 1.0},
+             intra_node_gbps=1.0, inter_node_gbps=0.1, gpus_per_node=4)
+IDEAL = ThroughputOptions(efficiency=1.0, bus_efficiency=1.0, cp_overlap=0.0)
+
+
+def cand(model=M, *, world=1, mbs=2, gbs=None, recompute="none", dist=True, **layout) -> Candidate:
+    lay = ParallelLayout(**layout)
+    return Candidate(model=model, layout=lay, world_size=world, micro_batch=mbs,
+                     global_batch=gbs or mbs * lay.data_parallel(world), seq_length=16,
+                     recompute=recompute, distributed_optimizer=dist)
+
+
+def test_flops_split_from_models_flops():
+    assert layer_and_logit_flops(cand()) == (1408, 2048)
+    assert recompute_flops_per_layer(cand(recompute="selective")) == 256
+    assert recompute_flops_per_layer(cand(recompute="full")) == 1408
+    assert recompute_flops_per_layer(cand()) == 0
+
+
+def test_stage_compute():
+    tokens = 2 * 16
+    assert stage_compute_s(cand(), 0, DEV, IDEAL) == pytest.approx(tokens * (3 * 2 * 1408 + 3 * 2048) / 1e12)
+    pp = cand(world=2, pipeline_parallel=2)
+    assert stage_compute_s(pp, 0, DEV, IDEAL) == pytest.approx(tokens * 3 * 1408 / 1e12)
+    assert stage_compute_s(pp, 1, DEV, IDEAL) == pytest.approx(tokens * (3 * 1408 + 3 * 2048) / 1e12)
+    half = ThroughputOptions(efficiency=0.5)
+    assert stage_compute_s(cand(), 0, DEV, half) == pytest.approx(2 * stage_compute_s(cand(), 0, DEV, IDEAL))
+
+
+def test_tp_and_cp_ring_formulas():
+    size = 2 * 16 * 2 * 8  # e s b h bytes
+    tp2 = cand(world=2, tensor_parallel=2)
+    # 2 layers x 2 all-reduces x (fwd + bwd) x 2 (t-1)/t x B / 1 GB/s
+    assert tp_comm_s(tp2, DEV, IDEAL) == pytest.approx(2 * 2 * 2 * 1.0 * size / 1e9)
+    full = cand(world=2, tensor_parallel=2, recompute="full")
+    assert tp_comm_s(full, DEV, IDEAL) == pytest.approx(1.5 * tp_comm_s(tp2, DEV, IDEAL))
+    tp8 = cand(world=8, tensor_parallel=8)  # 8 > 4 GPUs per node: InfiniBand
+    assert tp_comm_s(tp8, DEV, IDEAL) == pytest.approx(2 * 2 * 2 * (2 * 7 / 8) * size / 0.1e9)
+    cp2 = cand(world=2, context_parallel=2)
+    kv = 2 * 2 * 8 * 2 * 1 * 4  # 2 (K,V) x e x s/c x b x g d
+    assert cp_comm_s(cp2, DEV, IDEAL) == pytest.approx(2 * 1 * 3 * kv / 1e9)
+    assert tp_comm_s(cand(), DEV, IDEAL) == cp_comm_s(cand(), DEV, IDEAL) == 0
+
+
+def test_ep_pp_dp():
+    moe = M.model_copy(update=dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8))
+    ep2 = cand(moe, world=2, expert_parallel=2)
+    routed = 2 * 2 * 16 * 2 * 8  # k e s b h
+    assert ep_comm_s(ep2, DEV, IDEAL) == pytest.approx(2 * 2 * 2 * routed * 0.5 / 1e9)
+    pp = cand(world=2, gbs=8, pipeline_parallel=2)  # M = 4
+    assert pp_comm_s(pp, DEV, IDEAL) == pytest.approx(2 * 1 * 4 * (2 * 16 * 2 * 8) / 1e9)
+    dp2 = cand(world=2)
+    P = 2 * 592 + 128 * 8 + 8 + 128 * 8  # layers + embedding + final norm + output layer
+    assert dp_comm_s(dp2, DEV, IDEAL) == pytest.approx(0.5 * P * (4 + 2) / 1e9)  # RS fp32 + AG bf16
+    no_dist = cand(world=2, dist=False)
+    assert dp_comm_s(no_dist, DEV, IDEAL) == pytest.approx(2 * 0.5 * P * 4 / 1e9)  # all-reduce fp32
+
+
+def test_step_bubble_overlap_and_metrics_formula():
+    deep = M.model_copy(update=dict(num_layers=8))
+    c = cand(deep, world=4, gbs=16, pipeline_parallel=4, virtual_pipeline=2)  # M = 8
+    est = estimate_step(c, DEV, IDEAL)
+    t_mb = max(stage_compute_s(c, s, DEV, IDEAL) for s in range(4))
+    assert est.bubble_s == pytest.approx(t_mb * 3 / 2)
+    assert est.step_s == pytest.approx(8 * t_mb + est.bubble_s + est.comm_s["pp"] + est.comm_s["dp"])
+    # TFLOP/s per GPU is what pretrain.metrics would report for the same step time.
+    tps, _, tflops, mfu = Throughput(deep, 16, 16, 4, 1.0).compute(est.step_s)
+    assert est.tflops_per_gpu == pytest.approx(tflops)
+    assert est.mfu == pytest.approx(mfu)
+    assert est.tokens_per_s == pytest.approx(tps)
+    hidden = estimate_step(cand(world=2, tensor_parallel=2), DEV, ThroughputOptions(tp_overlap=1.0))
+    assert hidden.comm_s["tp"] == 0
+
+
+def test_device_table():
+    assert get_device("h100").memory_gib == pytest.approx(79.6, abs=0.1)
+    assert get_device("H200").name == "h200-141gb"
+    assert get_device("h100-80gb").peak("bf16") == 989.4e12
+    with pytest.raises(UnknownDeviceError, match="unknown GPU type 'a100'.*Known: h100-80gb"):
+        get_device("a100")
