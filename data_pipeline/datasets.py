@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import warnings
 
 from data_pipeline.tokenizers import Tokenizer
 
@@ -34,9 +33,9 @@ class DatasetConfigError(ValueError):
 
 
 def _import_megatron_datasets():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex",
-                                category=UserWarning)
+    from data_pipeline.indexed_writer import quiet_megatron_import
+
+    with quiet_megatron_import():
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,
         )

@@ -11,6 +11,7 @@ same command skips finished outputs.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -19,10 +20,18 @@ from array import array
 
 import numpy as np
 
-with warnings.catch_warnings():
-    # megatron.core's package import warns about Transformer Engine/Apex on every CPU
-    # machine; irrelevant to reading and writing token files.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex", category=UserWarning)
+
+@contextlib.contextmanager
+def quiet_megatron_import():
+    """megatron.core's package import warns about Transformer Engine/Apex on every CPU
+    machine; irrelevant to reading and writing token files or building datasets."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex",
+                                category=UserWarning)
+        yield
+
+
+with quiet_megatron_import():
     from megatron.core.datasets.indexed_dataset import (
         DType,
         IndexedDataset,
@@ -46,6 +55,16 @@ def token_dtype(vocab_size: int) -> type:
 
 def manifest_path(prefix: str) -> str:
     return prefix + ".meta.json"
+
+
+def strip_extension(path: str) -> str:
+    """A dataset prefix from a prefix or a path to its .bin/.idx."""
+    return path[: -len(".idx")] if path.endswith((".bin", ".idx")) else path
+
+
+def output_exists(prefix: str) -> bool:
+    """Either file of a dataset exists (complete or not): replacing it needs --overwrite."""
+    return os.path.exists(get_bin_path(prefix)) or os.path.exists(get_idx_path(prefix))
 
 
 def partial_paths(prefix: str) -> list[str]:

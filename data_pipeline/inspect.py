@@ -99,6 +99,7 @@ def _sequences(dataset, block: int = 4096):
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
+    from data_pipeline.indexed_writer import strip_extension
     from data_pipeline.tokenizers import TokenizerLoadError, load_tokenizer
 
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.inspect",
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scan-ids", action="store_true", help="report the largest token id")
     args = parser.parse_args(argv)
     console = Console()
-    prefix = args.prefix[:-4] if args.prefix.endswith((".bin", ".idx")) else args.prefix
+    prefix = strip_extension(args.prefix)
     try:
         info = summarize(prefix)
         spec = args.tokenizer or info["manifest"].get("tokenizer_spec")

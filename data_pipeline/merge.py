@@ -22,6 +22,8 @@ class MergeError(ValueError):
 
 
 def resolve_prefixes(patterns: list[str]) -> list[str]:
+    from data_pipeline.indexed_writer import strip_extension
+
     prefixes: list[str] = []
     for pattern in patterns:
         if glob.has_magic(pattern):
@@ -31,7 +33,7 @@ def resolve_prefixes(patterns: list[str]) -> list[str]:
                 raise MergeError(f"no .idx file matches {pattern!r}")
             prefixes.extend(found)
         else:
-            prefixes.append(pattern[:-4] if pattern.endswith((".bin", ".idx")) else pattern)
+            prefixes.append(strip_extension(pattern))
     return prefixes
 
 
@@ -45,6 +47,7 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
         AtomicIndexedDataset,
         IndexedDataset,
         check_output_prefix,
+        output_exists,
         read_manifest,
     )
     from megatron.core.datasets.indexed_dataset import _IndexReader
@@ -73,7 +76,7 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
     if len({t["sha256"] for t, _ in tokenizers.values()}) > 1:
         listing = ", ".join(f"{p} ({spec})" for p, (_, spec) in tokenizers.items())
         raise MergeError(f"inputs were made by different tokenizers: {listing}")
-    if any(os.path.exists(output_prefix + ext) for ext in (".bin", ".idx")) and not overwrite:
+    if output_exists(output_prefix) and not overwrite:
         raise MergeError(f"{output_prefix}.bin/.idx already exist; pass --overwrite to replace them")
 
     manifest = {"merged_from": [os.path.abspath(p) for p in prefixes], "documents": documents,

@@ -133,7 +133,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     """
     from rich.console import Console
 
-    from data_pipeline.indexed_writer import read_manifest, token_dtype
+    from data_pipeline.indexed_writer import output_exists, read_manifest, token_dtype
     from data_pipeline.workers import InlinePool, WorkerConfig, WorkerPool
 
     console = console or Console(stderr=True)
@@ -156,7 +156,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         manifest = read_manifest(job.prefix)
         if manifest is not None and manifest.get("request") == request:
             continue
-        if _exists(job.prefix) and not overwrite:
+        if output_exists(job.prefix) and not overwrite:
             raise PreprocessError(f"{job.prefix}.bin/.idx already exist (made by a different "
                                   "command or inputs); pass --overwrite to replace them")
         todo.append((index, job, request))
@@ -178,10 +178,6 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         finally:
             pool.close()
     return RunSummary(stats, time.perf_counter() - start, dtype.__name__)
-
-
-def _exists(prefix: str) -> bool:
-    return any(os.path.exists(prefix + ext) for ext in (".bin", ".idx"))
 
 
 def _available_cpus() -> int:
