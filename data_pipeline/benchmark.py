@@ -12,8 +12,8 @@ On >= 50 MB of real English text from Debian packages (see debian_text), one run
 and reports MB/s (10^6 bytes of UTF-8 text) and tokens/s, medians over --repeats runs
 interleaved a, a2, b, c. (b) and (c) are timed inside preprocess (from argument checks to
 the committed output, worker start-up included; not the CLI's Megatron-Core import, which
-is reported apart). Peak RSS is that of the whole preprocess process tree, sampled every
-50 ms, on the corpus and on the corpus repeated --rss-scale times.
+is reported apart). Peak memory is that of the whole preprocess process tree (PSS summed,
+sampled every 50 ms), on the corpus and on the corpus repeated --rss-scale times.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ def tokenizer_alone(spec: str, corpus: str, processes: int) -> dict:
             "tokens": sum(r[3] for r in runs)}
 
 
-class TreeRssSampler:
-    """Peak resident memory of a process and all its descendants, summed."""
+class TreeMemorySampler:
+    """Peak memory of a process and all its descendants, summed. Forked workers share
+    the parent's pages, so each process counts its proportional share (PSS) of every
+    page where Linux reports it, else its RSS."""
 
     def __init__(self, pid: int, interval: float = 0.05) -> None:
         import psutil
@@ -85,7 +87,8 @@ class TreeRssSampler:
                 total = 0
                 for proc in procs:
                     try:
-                        total += proc.memory_info().rss
+                        info = proc.memory_full_info()
+                        total += getattr(info, "pss", info.rss)
                     except psutil.Error:
                         pass
                 self.peak = max(self.peak, total)
@@ -111,7 +114,7 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str) -> dict:
                "--summary-json", summary_path]
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sampler = TreeRssSampler(proc.pid)
+    sampler = TreeMemorySampler(proc.pid)
     _, err = proc.communicate()
     wall = time.perf_counter() - started
     peak = sampler.stop()

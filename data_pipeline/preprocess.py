@@ -162,10 +162,10 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         todo.append((index, job, request))
 
     if todo:
-        config = WorkerConfig(tok.spec, text_field, dtype.__name__,
-                              tok.eod if append_eod else None, skip_bad_records)
+        config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
+                              skip_bad_records)
         n_workers = _available_cpus() if workers is None else workers
-        pool = WorkerPool(config, n_workers) if n_workers > 0 else InlinePool(config, tok)
+        pool = WorkerPool(config, tok, n_workers) if n_workers > 0 else InlinePool(config, tok)
         try:
             with _progress(console, progress) as bar:
                 total = sum(s.size for _, job, _ in todo for s in job.sources)

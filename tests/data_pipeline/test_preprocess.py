@@ -137,3 +137,12 @@ def test_same_tokenizer_by_another_path_is_up_to_date(tmp_path, texts):
     assert again.outputs[0].up_to_date
     manifest = json.loads((tmp_path / "x.meta.json").read_text())
     assert manifest["tokenizer_spec"].startswith("/") and manifest["tokenizer_spec"].endswith(DEMO)
+
+
+def test_spawned_workers_write_the_same_bytes_as_forked_ones(tmp_path, corpus, monkeypatch):
+    from data_pipeline import workers
+
+    preprocess([corpus], tokenizer=DEMO, output_prefix=str(tmp_path / "forked"), workers=2)
+    monkeypatch.setattr(workers, "default_start_method", lambda: "spawn")
+    preprocess([corpus], tokenizer=DEMO, output_prefix=str(tmp_path / "spawned"), workers=2)
+    assert same_bytes(str(tmp_path / "forked"), str(tmp_path / "spawned"))
