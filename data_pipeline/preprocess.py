@@ -134,10 +134,15 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     from rich.console import Console
 
     from data_pipeline.indexed_writer import output_exists, read_manifest, token_dtype
+    from data_pipeline.progress import byte_progress
     from data_pipeline.workers import InlinePool, WorkerConfig, WorkerPool
 
     console = console or Console(stderr=True)
     start = time.perf_counter()
+    if workers is not None and workers < 0:
+        raise PreprocessError(f"--workers must be >= 0 (0: tokenise in this process), got {workers}")
+    if chunk_bytes < 1:
+        raise PreprocessError(f"--chunk-bytes must be >= 1, got {chunk_bytes}")
     sources = resolve_inputs(inputs)
     jobs = plan_outputs(sources, output_prefix, output_dir)
     tok = load_tokenizer(tokenizer)
@@ -167,7 +172,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         n_workers = _available_cpus() if workers is None else workers
         pool = WorkerPool(config, tok, n_workers) if n_workers > 0 else InlinePool(config, tok)
         try:
-            with _progress(console, progress) as bar:
+            with byte_progress(console, progress) as bar:
                 total = sum(s.size for _, job, _ in todo for s in job.sources)
                 task = bar.add_task("tokenising", total=total, text_bytes=0, documents=0, tokens=0)
                 done: list[OutputStats] = []
@@ -185,12 +190,6 @@ def _available_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
-
-
-def _progress(console, enabled: bool):
-    from data_pipeline.progress import byte_progress
-
-    return byte_progress(console, enabled)
 
 
 def _write_output(job: _Job, request: dict, tokenizer_spec: str, dtype, pool, chunk_bytes: int,
@@ -230,11 +229,11 @@ def _write_output(job: _Job, request: dict, tokenizer_spec: str, dtype, pool, ch
 
 
 def _absorb(result, job: _Job, request: dict, out, stats: OutputStats) -> None:
-    source = job.sources[result.source] if result.source >= 0 else None
-    where = "row" if source is not None and source.kind == "parquet" else "line"
+    """Check one chunk's result (stop or count bad records) and append its documents."""
+    source = job.sources[result.source]
+    where = "row" if source.kind == "parquet" else "line"
     if result.fatal:
-        origin = f"{source.path}: " if source is not None else ""
-        raise PreprocessError(f"{origin}{result.fatal}")
+        raise PreprocessError(f"{source.path}: {result.fatal}")
     for number, kind, detail in result.bad:
         message = f"{source.path} {where} {number}: {detail}"
         if not request["skip_bad_records"]:

@@ -62,7 +62,8 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
         try:
             ids = tokenizer.encode_array(text)
         except Exception as err:  # a tokenizer bug or limit: name the record that hit it
-            result.fatal = f"record {number}: the tokenizer failed: {type(err).__name__}: {err}"
+            where = "row" if chunk.kind == "parquet" else "line"
+            result.fatal = f"{where} {number}: the tokenizer failed: {type(err).__name__}: {err}"
             return result
         arrays.append(ids)
         if eod is not None:

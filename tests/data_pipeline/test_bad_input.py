@@ -184,3 +184,21 @@ def test_gzip_truncated_mid_file_names_the_file(tmp_path):
         preprocess([str(path)], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=1,
                    chunk_bytes=4096)
     assert output_files(tmp_path) == ["cut.jsonl.gz"]
+
+
+def test_tokenizer_failure_names_the_record(tmp_path, monkeypatch):
+    from data_pipeline.tokenizers import ByteTokenizer
+
+    real = ByteTokenizer.encode_array
+
+    def fragile(self, text):
+        if "boom" in text:
+            raise ValueError("cannot encode this")
+        return real(self, text)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_array", fragile)  # inherited by forked workers
+    path = bad_file(tmp_path, json.dumps({"text": "boom"}).encode())
+    with pytest.raises(PreprocessError, match=r"input.jsonl: line 3: the tokenizer failed: "
+                                              r"ValueError: cannot encode this"):
+        preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=1)
+    assert output_files(tmp_path) == ["input.jsonl"]
