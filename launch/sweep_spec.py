@@ -1,0 +1,227 @@
+"""The sweep spec (YAML) and its expansion into points: one resolved, validated training
+config per combination of the grid's axes.
+
+    name: tiny-scaling                   # required
+    recipe: tiny-llama                   # required (pretrain.recipes)
+    config: null                         # optional YAML overrides file, as for pretrain --config
+    out_dir: runs/sweeps/tiny-scaling    # default runs/sweeps/<name>
+    launcher: local                      # local (launch.local) or slurm (launch.slurm, job arrays)
+    overrides: [data.mock=true, schedule.train_steps=10]   # every point (list or mapping)
+    grid:                                # the cartesian product of the axes
+      model:                             # an axis: a list of choices, each a mapping of
+        - {label: small, model.num_layers: 2, model.hidden_size: 64}   # config keys plus
+        - {label: base}                                                # label/gpus/tokens
+      layout:
+        - {gpus: 1}
+        - {gpus: 2, parallel.tensor_parallel: 2}
+      lr: {optimizer.lr: [1.0e-3, 3.0e-3]}   # shorthand: one key, a list of values
+      budget: {tokens: [1.0e6, 4.0e6]}       # token budget -> schedule.train_steps
+    slurm: {partition: debug, time: "30", cpu: true}   # launcher: slurm only
+
+Special choice keys: `label` (the choice's name in the point's name), `gpus` (world size,
+default 1), `tokens` (train_steps = ceil(tokens / (global batch x seq))). Every other key
+is a config key, checked like a `key=value` override; every point is validated against
+its world size before anything runs. Errors name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pretrain.config import ConfigError, ExperimentConfig, apply_overrides, validate_for_world
+from pretrain.recipes import get_recipe
+
+SPECIAL_KEYS = ("label", "gpus", "tokens")
+
+
+class SweepSpecError(ValueError):
+    """A malformed sweep spec; the message names the key."""
+
+
+class SlurmOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    partition: str
+    time: str
+    account: Optional[str] = None
+    cpu: bool = False  # CPU ranks over gloo (e.g. the CI cluster): --cpu --ntasks-per-node gpus
+    gpus_per_node: int = Field(default=8, gt=0)
+    args: list[str] = []  # more launch.slurm arguments, e.g. ["--container-image", "..."]
+
+
+class SweepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1)
+    recipe: str
+    config: Optional[str] = None
+    out_dir: Optional[str] = None
+    launcher: Literal["local", "slurm"] = "local"
+    overrides: Union[list[str], dict[str, Any]] = []
+    grid: dict[str, Union[list[dict[str, Any]], dict[str, list[Any]]]] = Field(min_length=1)
+    slurm: Optional[SlurmOptions] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    name: str  # unique, filesystem-safe: the labels of its choices joined by "_"
+    labels: dict[str, str]  # axis -> choice label
+    gpus: int
+    overrides: tuple[str, ...]  # key=value, everything on top of recipe (+ config file)
+    config: ExperimentConfig  # resolved and validated
+    run_dir: Path
+
+
+def format_value(value: Any) -> str:
+    """A value as `python -m pretrain key=value` parses it back (int, float, else YAML)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _as_pairs(items: Union[list[str], dict[str, Any]], where: str) -> list[str]:
+    if isinstance(items, dict):
+        return [f"{k}={format_value(v)}" for k, v in items.items()]
+    for item in items:
+        if "=" not in item:
+            raise SweepSpecError(f"{where}: {item!r} is not key=value (e.g. schedule.train_steps=50)")
+    return list(items)
+
+
+def _label(choice: dict[str, Any]) -> str:
+    if "label" in choice:
+        return str(choice["label"])
+    parts = [f"{k.split('.')[-1]}{format_value(v)}" for k, v in choice.items()]
+    return "-".join(parts) or "base"
+
+
+def expand_axis(axis: str, raw: Union[list[dict], dict[str, list]]) -> list[dict[str, Any]]:
+    """An axis as a list of choices; the one-key shorthand {key: [v1, v2]} becomes
+    [{key: v1}, {key: v2}]."""
+    if isinstance(raw, dict):
+        if len(raw) != 1:
+            raise SweepSpecError(
+                f"grid.{axis}: the shorthand form takes exactly one key with a list of values "
+                f"(got keys {sorted(raw)}); use a list of mappings for choices that set several keys")
+        (key, values), = raw.items()
+        if not values:
+            raise SweepSpecError(f"grid.{axis}.{key}: empty list of values")
+        return [{key: value} for value in values]
+    if not raw:
+        raise SweepSpecError(f"grid.{axis}: empty list of choices")
+    return [dict(choice) for choice in raw]
+
+
+def _check_choice(axis: str, index: int, choice: dict[str, Any]) -> None:
+    where = f"grid.{axis}[{index}]"
+    if "gpus" in choice and (not isinstance(choice["gpus"], int) or choice["gpus"] < 1):
+        raise SweepSpecError(f"{where}.gpus: must be a positive integer, got {choice['gpus']!r}")
+    if "tokens" in choice and (not isinstance(choice["tokens"], (int, float)) or choice["tokens"] <= 0):
+        raise SweepSpecError(f"{where}.tokens: must be a positive number of tokens, got {choice['tokens']!r}")
+    for key in choice:
+        if key not in SPECIAL_KEYS and "." not in key:
+            close = difflib.get_close_matches(key, SPECIAL_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SweepSpecError(
+                f"{where}: unknown key {key!r}: a choice holds config keys (section.key, e.g. "
+                f"optimizer.lr) or one of {', '.join(SPECIAL_KEYS)}{hint}")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
+
+
+def load_spec(path: str) -> SweepSpec:
+    """Parse and type-check the YAML; errors name the offending key."""
+    file = Path(path)
+    if not file.is_file():
+        raise SweepSpecError(f"sweep spec {path!r} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise SweepSpecError(f"sweep spec {path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SweepSpecError(f"sweep spec {path}: must be a mapping with keys name, recipe, grid, ...")
+    try:
+        return SweepSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SweepSpecError(_format_errors(path, exc)) from None
+
+
+def _format_errors(path: str, exc: ValidationError) -> str:
+    lines = [f"sweep spec {path}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("list[", "dict[")))
+        if err["type"] == "extra_forbidden":
+            section = SlurmOptions if err["loc"][0] == "slurm" else SweepSpec
+            close = difflib.get_close_matches(str(err["loc"][-1]), list(section.model_fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(section.model_fields)}"
+            lines.append(f"  unknown key {loc!r}{hint}")
+        elif err["type"] == "missing":
+            lines.append(f"  missing required key {loc!r}")
+        else:
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(dict.fromkeys(lines))  # union types repeat an error per branch
+
+
+def expand_points(spec: SweepSpec, *, spec_dir: Path = Path(".")) -> list[Point]:
+    """Every combination of the axes' choices, resolved and validated for its world size."""
+    try:
+        get_recipe(spec.recipe)
+    except ValueError as exc:
+        raise SweepSpecError(f"recipe: {exc}") from None
+    config_file = str(spec_dir / spec.config) if spec.config else None
+    out_dir = Path(spec.out_dir or f"runs/sweeps/{spec.name}").resolve()
+    base = _as_pairs(spec.overrides, "overrides")
+    axes = {axis: expand_axis(axis, raw) for axis, raw in spec.grid.items()}
+    for axis, choices in axes.items():
+        for index, choice in enumerate(choices):
+            _check_choice(axis, index, choice)
+    points, seen = [], {}
+    for combo in itertools.product(*[list(enumerate(c)) for c in axes.values()]):
+        labels, pairs, gpus, tokens = {}, list(base), 1, None
+        for axis, (index, choice) in zip(axes, combo):
+            labels[axis] = _label(choice)
+            gpus = choice.get("gpus", gpus)
+            tokens = choice.get("tokens", tokens)
+            pairs += [f"{k}={format_value(v)}" for k, v in choice.items() if k not in SPECIAL_KEYS]
+        name = _safe("_".join(labels.values()))
+        if name in seen:
+            raise SweepSpecError(f"two grid points are both named {name!r} ({seen[name]} and {labels}); "
+                                 "give the choices distinct `label`s")
+        seen[name] = labels
+        run_dir = out_dir / "points" / name
+        pairs.append(f"logging.run_dir={run_dir}")
+        where = f"grid point {name} ({', '.join(f'{a}={l}' for a, l in labels.items())})"
+        config = _resolve(spec.recipe, config_file, pairs, where)
+        if tokens is not None:
+            sched = config.schedule
+            steps = max(1, math.ceil(tokens / (sched.global_batch_size * sched.seq_length)))
+            pairs.append(f"schedule.train_steps={steps}")
+            config = _resolve(spec.recipe, config_file, pairs, where)
+        try:
+            validate_for_world(config, gpus)
+        except ConfigError as exc:
+            raise SweepSpecError(f"{where} on {gpus} GPU(s): {exc}") from None
+        points.append(Point(name=name, labels=labels, gpus=gpus, overrides=tuple(pairs), config=config,
+                            run_dir=run_dir))
+    return points
+
+
+def _resolve(recipe: str, config_file: Optional[str], pairs: list[str], where: str) -> ExperimentConfig:
+    try:
+        return apply_overrides(get_recipe(recipe), yaml_file=config_file, overrides=pairs)
+    except ConfigError as exc:
+        raise SweepSpecError(f"{where}: {exc}") from None

@@ -1,0 +1,179 @@
+"""launch.sweep: spec errors name the key, the grid expands and validates, results and the
+power-law fit are computed from metrics.jsonl, Slurm job arrays group points by allocation,
+and (slow) a real CPU sweep of 3 sizes x 2 layouts runs, plots, and skips finished points."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch import sweep
+from launch.sweep_results import fit_power_law, read_metrics
+from launch.sweep_spec import expand_points, load_spec
+from tests.launch.slurm_helpers import slurm_env  # noqa: F401 - the Slurm test-cluster fixture
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "launch" / "examples" / "tiny_sweep.yaml"
+
+
+def write_spec(tmp_path: Path, **changes) -> Path:
+    spec = yaml.safe_load(EXAMPLE.read_text())
+    spec["out_dir"] = str(tmp_path / "out")
+    for key, value in changes.items():
+        if value is None:
+            spec.pop(key, None)
+        else:
+            spec[key] = value
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(nmae="x"), "unknown key 'nmae'; did you mean 'name'?"),
+    (dict(recipe=None), "missing required key 'recipe'"),
+    (dict(recipe="tiny-lama"), "recipe: unknown recipe 'tiny-lama'. Did you mean 'tiny-llama'?"),
+    (dict(grid={"lr": {"optimizer.lr": [1e-3], "optimizer.min_lr": [0.0]}}), "grid.lr: the shorthand form takes exactly one key"),
+    (dict(grid={"layout": [{"gpu": 2}]}), "grid.layout[0]: unknown key 'gpu'"),
+    (dict(grid={"layout": [{"gpus": 0}]}), "grid.layout[0].gpus: must be a positive integer"),
+    (dict(grid={"model": [{"model.hiden_size": 64}]}), "unknown config key 'model.hiden_size'"),
+    (dict(grid={"layout": [{"gpus": 2, "parallel.tensor_parallel": 3}]}), "grid point gpus2-tensor_parallel3 (layout=gpus2-tensor_parallel3) on 2 GPU(s): world size 2 is not divisible by TP(3)"),
+    (dict(grid={"a": [{"label": "x"}], "b": [{"label": "x"}, {"label": "x"}]}), "both named 'x_x'"),
+    (dict(slurm={"partition": "debug", "time": "10", "gpus_pernode": 8}), "unknown key 'slurm.gpus_pernode'; did you mean 'gpus_per_node'?"),
+    (dict(launcher="slurm"), "launcher: slurm needs a `slurm:` section"),
+])
+def test_malformed_specs_name_the_key(tmp_path, capsys, changes, message):
+    assert sweep.main([str(write_spec(tmp_path, **changes))]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_grid_expansion_shorthand_and_token_budget(tmp_path):
+    spec = load_spec(str(write_spec(tmp_path, grid={
+        "lr": {"optimizer.lr": [0.001, 0.003]},
+        "budget": [{"label": "small", "tokens": 10000}, {"label": "big", "tokens": 20000}],
+    })))
+    points = expand_points(spec)
+    assert [p.name for p in points] == ["lr0.001_small", "lr0.001_big", "lr0.003_small", "lr0.003_big"]
+    # 64 tokens x 8 sequences = 512 tokens per step: ceil(10000 / 512) = 20 steps.
+    assert [p.config.schedule.train_steps for p in points] == [20, 40, 20, 40]
+    assert points[2].config.optimizer.lr == 0.003
+    assert points[0].run_dir == tmp_path / "out" / "points" / "lr0.001_small"
+    assert str(points[0].config.logging.run_dir) == str(points[0].run_dir)
+
+
+def test_power_law_fit_recovers_parameters():
+    compute = [1e12, 1e13, 1e14, 1e15]
+    fit = fit_power_law(compute, [5.0 * c ** -0.1 for c in compute])
+    assert fit["a"] == pytest.approx(5.0) and fit["b"] == pytest.approx(0.1) and fit["r2"] == pytest.approx(1.0)
+    assert fit_power_law([1e12, 1e12], [3.0, 2.9]) is None  # one compute value: nothing to fit
+
+
+def test_metrics_reader_keeps_last_record_per_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n{"step": 2, "eval_loss": 9}\n'
+                    '{"step": 1, "loss": 2.5}\n{"step": 3, "lo')  # a resumed run and a cut line
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 2.5), (2, 2.0)]
+
+
+def test_changed_point_gets_fresh_directory(tmp_path):
+    spec = load_spec(str(write_spec(tmp_path)))
+    point = expand_points(spec)[0]
+    assert sweep.prepare_dir(point) == "todo"
+    (point.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 8, "loss": 1.0}) + "\n")
+    assert sweep.prepare_dir(point) == "finished"
+    changed = load_spec(str(write_spec(tmp_path, overrides={"data.demo": False, "data.mock": True,
+                                                            "schedule.train_steps": 9})))
+    again = expand_points(changed)[0]
+    assert sweep.prepare_dir(again) == "todo"
+    assert (point.run_dir.parent / f"{point.name}.replaced-1" / "metrics.jsonl").is_file()
+
+
+def test_slurm_points_become_job_arrays_per_allocation(tmp_path):
+    """launch.slurm writes each point's job.sh (not submitted); points with the same
+    allocation share one array whose tasks run those scripts."""
+    spec_path = write_spec(tmp_path, launcher="slurm", slurm={"partition": "debug", "time": "10", "cpu": True},
+                           grid={"layout": [{"label": "one", "gpus": 1}, {"label": "two", "gpus": 2,
+                                                                         "parallel.tensor_parallel": 2}],
+                                 "lr": {"optimizer.lr": [0.001, 0.002]}})
+    spec = load_spec(str(spec_path))
+    points = expand_points(spec)
+    assert sweep.run_sweep(spec, points, spec_dir=tmp_path, submit=False) == []
+    arrays = sorted((tmp_path / "out").glob("array-*.sh"))
+    assert len(arrays) == 2  # 1 rank and 2 ranks per job
+    texts = [a.read_text() for a in arrays]
+    assert all("#SBATCH --array=0-1" in t for t in texts)
+    assert any("--ntasks-per-node=2" in t for t in texts) and any("--ntasks-per-node=1" in t for t in texts)
+    for point in points:
+        job = (point.run_dir / "job.sh").read_text()
+        assert str(point.run_dir / "config.yaml") in job
+        assert any(str(point.run_dir / "job.sh") in t for t in texts)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cpu_sweep_three_sizes_two_layouts(tmp_path, capsys):
+    spec = write_spec(tmp_path, overrides={**yaml.safe_load(EXAMPLE.read_text())["overrides"],
+                                           "schedule.train_steps": 5})
+    assert sweep.main([str(spec)]) == 0, capsys.readouterr().err
+    out = tmp_path / "out"
+    rows = (out / "results.csv").read_text().splitlines()
+    assert len(rows) == 1 + 6 and all(",finished," in row for row in rows[1:])
+    assert "| h128x4_tp2 | h128x4 | tp2 | 2 |" in (out / "results.md").read_text()
+    for name in ("loss_vs_tokens", "throughput_vs_gpus", "loss_vs_compute"):
+        path = out / "plots" / f"{name}.png"
+        width, height = _png_size(path)
+        assert width > 100 and height > 100 and path.stat().st_size > 5000
+    fit = json.loads((out / "fit.json").read_text())
+    assert math.isfinite(fit["a"]) and math.isfinite(fit["b"]) and fit["points"] == 6
+    # Layout parity: the same model at TP2 trains like at TP1 (same start, same data).
+    lines = {r.split(",")[0]: r.split(",") for r in rows[1:]}
+    header = rows[0].split(",")
+    loss = header.index("final_loss")
+    for size in ("h64", "h128", "h128x4"):
+        assert float(lines[f"{size}_dp1"][loss]) == pytest.approx(float(lines[f"{size}_tp2"][loss]), rel=1e-3)
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "points").glob("*/metrics.jsonl")}
+    capsys.readouterr()
+    assert sweep.main([str(spec)]) == 0
+    assert "6 finished (skipped)" in capsys.readouterr().out
+    assert stamps == {p: p.stat().st_mtime_ns for p in (out / "points").glob("*/metrics.jsonl")}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_job_array_runs_to_completion(slurm_env, tmp_path, monkeypatch, capsys):
+    """Two points submitted as one real job array on the test cluster; collected after."""
+    for key, value in slurm_env.items():  # SLURM_CONF for sbatch/squeue run by the sweep and here
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    base = {**yaml.safe_load(EXAMPLE.read_text())["overrides"], "schedule.train_steps": 3}
+    spec = write_spec(tmp_path, launcher="slurm", overrides=base,
+                      slurm={"partition": "debug", "time": "10", "cpu": True},
+                      grid={"model": [{"label": "h64", "model.num_layers": 2, "model.hidden_size": 64,
+                                       "model.ffn_hidden_size": 176, "model.num_attention_heads": 4},
+                                      {"label": "h128", "model.num_layers": 2}]})
+    assert sweep.main([str(spec)]) == 0, capsys.readouterr().err
+    job = json.loads((tmp_path / "out" / "points" / "h64" / "slurm_task.json").read_text())["job"]
+    deadline = time.monotonic() + 240
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job array {job} not done after 240 s")
+        time.sleep(1.0)
+    capsys.readouterr()
+    assert sweep.main([str(spec), "--collect-only"]) == 0
+    assert "2/2 points finished" in capsys.readouterr().out, sorted((tmp_path / "out" / "logs").iterdir())
+    assert sweep.main([str(spec)]) == 0
+    assert "2 finished (skipped)" in capsys.readouterr().out
