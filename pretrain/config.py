@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,6 +30,8 @@ class RuntimeConfig(_Strict):
     # Transformer Engine FP8 recipe on GPU (te spec only): "hybrid" = E4M3 fwd, E5M2 bwd.
     fp8: Optional[Literal["hybrid", "e4m3"]] = None
     recompute: Literal["none", "selective", "full"] = "none"
+    # Fault injection for testing checkpoint.on_nan: rank 0 poisons its gradients at this step.
+    inject_nan_step: Optional[int] = Field(default=None, gt=0)
 
 
 class OptimizerConfig(_Strict):
@@ -75,7 +77,7 @@ class CheckpointConfig(_Strict):
     dir: Optional[str] = None
     save_interval: int = Field(default=0, ge=0)  # 0 = only at the end (if dir is set)
     # "auto": newest complete checkpoint if any; "none"; or a path / step number.
-    resume: str = "auto"
+    resume: Union[str, int] = "auto"
     keep_last: int = Field(default=3, gt=0)
     async_save: bool = False
     exit_after_minutes: Optional[float] = Field(default=None, gt=0)

@@ -86,14 +86,38 @@ def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig
     )
 
 
+def grads_finite(state: TrainingState) -> bool:
+    """True on every rank iff no rank has a NaN/Inf gradient (one sum per grad buffer)."""
+    bad = torch.zeros(1)
+    for chunk in state.model:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            if not torch.isfinite(buffer.grad_data.float().sum()):
+                bad.fill_(1.0)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
+def _inject_nan(state: TrainingState) -> None:
+    if dist.get_rank() == 0:
+        state.model[0].buffers[0].grad_data.fill_(float("nan"))
+
+
 def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
-               num_microbatches: int) -> StepResult:
+               num_microbatches: int, step: int) -> StepResult:
     start = time.perf_counter()
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = run_schedule(state, iterators, config, num_microbatches, forward_only=False)
     loss = _reduce_loss(losses)
+    if config.runtime.inject_nan_step == step:
+        _inject_nan(state)
+    # Checked before the optimizer: a NaN grad norm would otherwise poison every weight
+    # through clipping (coefficient max_norm / NaN).
+    if not grads_finite(state):
+        fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
+        return StepResult(loss, float("nan"), state.optimizer.param_groups[0]["lr"], True,
+                          time.perf_counter() - start - fetch)
     update_ok, grad_norm, _ = state.optimizer.step()
     skipped = not update_ok
     if update_ok:

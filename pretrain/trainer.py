@@ -27,6 +27,8 @@ from pretrain.metrics import (
     peak_memory_gb,
 )
 from pretrain.runtime import init_distributed, is_logging_rank, world_size_from_env
+from pretrain import checkpoint
+from pretrain.signals import StopRequest
 from pretrain.train import evaluate, is_finite, train_step
 from pretrain.wrap import DTYPES, TrainingState, wrap_for_training
 
@@ -41,11 +43,15 @@ class Run:
     writer: MetricsWriter
     throughput: Throughput
     log_rank: bool
+    start_step: int = 0
 
 
 def setup(config: ExperimentConfig) -> Run:
     world_size = world_size_from_env()
     validate_for_world(config, world_size)  # before any process group exists
+    resume_from = checkpoint.resolve_resume(config, print)  # bad checkpoint paths fail here
+    if resume_from is not None:
+        checkpoint.check_compatible(resume_from, config)
     env = init_distributed(config.parallel, seed=config.runtime.seed)
     log_rank = is_logging_rank()
     run_dir = Path(config.logging.run_dir)
@@ -61,6 +67,9 @@ def setup(config: ExperimentConfig) -> Run:
         fp8=config.runtime.fp8,
     )
     state = wrap_for_training(chunks, config)
+    start_step = 0
+    if resume_from is not None:
+        start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0))
     datasets = build_datasets(config, world_size)
     peak = detect_device_peak(config.logging.device_peak, config.runtime.dtype, bool(config.runtime.fp8))
     sched = config.schedule
@@ -70,6 +79,7 @@ def setup(config: ExperimentConfig) -> Run:
         writer=MetricsWriter(config.logging.run_dir, log_rank, config.logging.tensorboard),
         throughput=Throughput(config.model, sched.seq_length, sched.global_batch_size, world_size, peak),
         log_rank=log_rank,
+        start_step=start_step,
     )
 
 
@@ -81,30 +91,53 @@ def _broadcast_loss(loss: Optional[float]) -> float:
 
 
 def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
-    """Train from `start_step` to `schedule.train_steps`; returns the logged metrics."""
-    config, sched = run.config, run.config.schedule
+    """Train from `start_step` to `schedule.train_steps` (or a stop request).
+
+    Each iteration: step -> NaN policy -> log -> evaluate -> checkpoint -> stop check.
+    """
+    config, sched, ckpt = run.config, run.config.schedule, run.config.checkpoint
     gbs = sched.global_batch_size
     train_iters = chunk_iterators(run.datasets.train, config, start_step * gbs, sched.train_steps * gbs)
+    stop = StopRequest(ckpt.exit_after_minutes)
     history: list[StepMetrics] = []
+    skipped = 0
     last = time.perf_counter()
     for step in range(start_step + 1, sched.train_steps + 1):
-        result = train_step(run.state, train_iters, config, run.num_microbatches)
+        result = train_step(run.state, train_iters, config, run.num_microbatches, step)
         loss = _broadcast_loss(result.loss)
-        if not is_finite(loss) or not is_finite(result.grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss ({loss}) or grad norm ({result.grad_norm}) at step {step} "
-                f"on rank {dist.get_rank()}; lower optimizer.lr or check the data"
-            )
+        if result.skipped or not is_finite(loss):
+            skipped += 1
+            _handle_non_finite(run, step, loss, result, skipped)
         now = time.perf_counter()
         step_time, last = now - last, now
         metrics = _step_metrics(run, step, loss, result, step_time)
         history.append(metrics)
-        if step % config.logging.log_interval == 0 or step == sched.train_steps:
+        if step % config.logging.log_interval == 0 or step == sched.train_steps or metrics.skipped:
             run.writer.log(metrics, sched.train_steps)
         if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
             _run_eval(run, step)
-            last = time.perf_counter()  # evaluation time is not step time
+        reason = stop.reason()
+        final = step == sched.train_steps or reason is not None
+        if ckpt.dir and ((ckpt.save_interval and step % ckpt.save_interval == 0) or final):
+            path = checkpoint.save(Path(ckpt.dir), step, run.state, config, run.world_size, ckpt.keep_last)
+            info(f"saved checkpoint {path}", dist.get_rank() == 0)
+        if reason is not None:
+            info(f"stopping after step {step}: {reason}", dist.get_rank() == 0)
+            break
+        last = time.perf_counter()  # evaluation and checkpoint time are not step time
     return history
+
+
+def _handle_non_finite(run: Run, step: int, loss: float, result, skipped: int) -> None:
+    """`checkpoint.on_nan=skip`: the update was not applied; count it. `stop`: raise, saving nothing."""
+    where = f"step {step} (loss {loss}, grad norm {result.grad_norm}) seen on rank {dist.get_rank()}"
+    if run.config.checkpoint.on_nan == "stop":
+        raise FloatingPointError(
+            f"non-finite loss or gradients at {where}; no checkpoint was written for this step. "
+            "Lower optimizer.lr, check the data, or set checkpoint.on_nan=skip"
+        )
+    result.skipped = True
+    info(f"warning: skipped the update of {where}; {skipped} step(s) skipped so far", run.log_rank)
 
 
 def _step_metrics(run: Run, step: int, loss: float, result, step_time: float) -> StepMetrics:
@@ -134,11 +167,11 @@ def main_train(config: ExperimentConfig) -> int:
 
     try:
         run = setup(config)
-    except ConfigError as exc:
+    except (ConfigError, checkpoint.CheckpointError) as exc:
         print(f"error: {exc}", flush=True)
         return 2
     try:
-        history = train(run)
+        history = train(run, run.start_step)
         if run.log_rank and history:
             info(f"[{config.name}] done: {len(history)} steps, final loss {history[-1].loss:.4f}")
     finally:

@@ -12,7 +12,7 @@ def train(recipe: str, overrides: list[str]) -> dict:
     config = resolve_config(recipe, None, overrides)
     run = setup(config)
     try:
-        history = train_loop(run)
+        history = train_loop(run, run.start_step)
         params = sum(p.numel() for chunk in run.state.model for p in chunk.module.parameters())
         layers = sorted(
             layer.layer_number for chunk in run.state.model for layer in chunk.module.decoder.layers

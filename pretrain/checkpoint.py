@@ -1,0 +1,283 @@
+"""In-training checkpoints on Megatron-Core `dist_checkpointing` (torch_dist format).
+
+Directory layout under `checkpoint.dir`:
+    step_00000020/          a complete checkpoint: dist_checkpointing shards + common.pt,
+        rng/rank_<r>.pt     per-rank RNG states,
+        meta.json           step, consumed samples, layout, model config, resolved config,
+        COMPLETE            written last; a directory without it is not a checkpoint
+    latest                  name of the newest complete checkpoint (replaced atomically)
+    .tmp.step_00000030/     a save in progress (ignored; removed by the next save)
+
+A save writes into `.tmp.step_N`, every rank barriers, rank 0 writes `COMPLETE`, renames
+the directory to `step_N` and only then replaces `latest`. A crash at any point leaves the
+previous checkpoint complete and `latest` pointing at it.
+
+Model weights and the distributed optimizer state are saved in the fully reshardable
+form, so a checkpoint loads at any TP/PP/VPP/DP layout. Loading uses torch's
+`weights_only` unpickling for our own files (RNG); dist_checkpointing's `common.pt`
+holds only tensors, numbers and strings (the LR scheduler state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing, tensor_parallel
+
+from pretrain.config import ExperimentConfig, dump_yaml
+
+COMPLETE = "COMPLETE"
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / "meta.json").is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and _is_complete(p)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _sharded_state(run_state, config: ExperimentConfig, is_loading: bool) -> dict:
+    model_sd = {}
+    for i, chunk in enumerate(run_state.model):
+        key = f"model{i}" if len(run_state.model) > 1 else "model"
+        model_sd[key] = chunk.module.sharded_state_dict()
+    state = dict(model_sd)
+    # The nested {model0: ..., model1: ...} dict, as Megatron-LM passes it: chunks share
+    # local key names, so flattening them would drop parameters.
+    state["optimizer"] = run_state.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=OPTIM_METADATA
+    )
+    return state
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save(root: Path, step: int, run_state, config: ExperimentConfig, world_size: int, keep_last: int) -> Path:
+    """Save a complete checkpoint atomically; returns its directory."""
+    rank = dist.get_rank()
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp.{step_dir_name(step)}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a crashed earlier attempt at this step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(run_state, config, is_loading=False)
+    state["scheduler"] = run_state.scheduler.state_dict()
+    dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        meta = {
+            "step": step,
+            "consumed_samples": step * config.schedule.global_batch_size,
+            "world_size": world_size,
+            "layout": config.parallel.model_dump(),
+            "layout_name": config.parallel.describe(world_size),
+            "model": config.model.model_dump(),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        (tmp / "config.yaml").write_text(dump_yaml(config))
+        _fsync_write(tmp / COMPLETE, "complete\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_write(root / "latest.tmp", final.name + "\n")
+        os.replace(root / "latest.tmp", root / "latest")
+        _retain(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _retain(root: Path, keep_last: int) -> None:
+    """Delete all but the newest keep_last complete checkpoints (never the newest)."""
+    complete = complete_checkpoints(root)
+    for old in complete[: max(0, len(complete) - max(1, keep_last))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_resume(config: ExperimentConfig, log) -> Optional[Path]:
+    """The checkpoint to resume from, or None to start fresh (before any process group)."""
+    spec = str(config.checkpoint.resume)
+    root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
+    if spec == "none":
+        return None
+    if spec == "auto":
+        if root is None:
+            return None
+        for bad in sorted(root.glob("step_*")) if root.is_dir() else []:
+            if bad.is_dir() and not _is_complete(bad):
+                log(f"warning: skipping incomplete checkpoint {bad} (no {COMPLETE} marker: crash mid-save)")
+        complete = complete_checkpoints(root)
+        return complete[-1] if complete else None
+    path = Path(spec)
+    if spec.isdigit():
+        if root is None:
+            raise CheckpointError(f"checkpoint.resume={spec} is a step number but checkpoint.dir is unset")
+        path = root / step_dir_name(int(spec))
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; use checkpoint.resume=auto or a valid path")
+    if not (path / "meta.json").is_file() and not (path / COMPLETE).is_file():
+        raise CheckpointError(f"{path} is not a checkpoint (no meta.json / {COMPLETE} marker)")
+    if not _is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete (the save crashed before {COMPLETE}); "
+                              "resume from an earlier step or use checkpoint.resume=auto")
+    return path
+
+
+def check_compatible(path: Path, config: ExperimentConfig) -> dict:
+    """Refuse a checkpoint of a different model; returns its metadata."""
+    meta = json.loads((path / "meta.json").read_text())
+    mine = config.model.model_dump()
+    diffs = [f"{k}: checkpoint {meta['model'].get(k)!r} vs config {v!r}"
+             for k, v in mine.items() if meta["model"].get(k) != v]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} is from an incompatible model:\n  " + "\n  ".join(diffs))
+    return meta
+
+
+def _fresh_adam_optimizers(optimizer) -> list:
+    """Inner torch AdamW optimizers that have never stepped (empty state)."""
+    found = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.AdamW) and len(inner.state) == 0:
+            found.append(inner)
+    return found
+
+
+def _loading_state_dict(run_state, config: ExperimentConfig) -> dict:
+    """The sharded state dict to load into, for a never-stepped optimizer too.
+
+    Without Transformer Engine/Apex, Megatron-Core 0.16's DistributedOptimizer.state_dict()
+    reads a per-parameter `step` from the inner torch AdamW and asserts there is exactly one
+    value, which fails before the first step. We give the inner optimizer a placeholder
+    state while the (loading) state dict is built, then empty it again, because
+    DistributedOptimizer.load_state_dict allocates the real state only when it is empty.
+    """
+    fresh = _fresh_adam_optimizers(run_state.optimizer)
+    for inner in fresh:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p]["step"] = torch.tensor(0.0)
+                    inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+    state = _sharded_state(run_state, config, is_loading=True)
+    for inner in fresh:
+        inner.state.clear()
+    return state
+
+
+def _keep_unsaved_optimizer_keys(optimizer) -> None:
+    """Let fully-reshardable loading skip per-parameter keys the checkpoint does not carry.
+
+    With torch's AdamW (no TE/Apex) the inner state has a per-parameter `step`, which
+    Megatron-Core 0.16 saves in the common state, not with the parameter shards; its
+    `_set_main_param_and_optimizer_states` still copies every key of the live state and
+    fails on `step`. This wraps that method on *these instances* only: a key missing from
+    the loaded shard keeps the value `load_state_dict` just restored.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None or getattr(original, "_keeps_unsaved", False):
+            continue
+
+        def wrapped(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            live = _opt.optimizer.state[main_param]
+            merged = {**{k: v for k, v in live.items() if k not in tensors}, **tensors}
+            return _original(model_param, merged)
+
+        wrapped._keeps_unsaved = True
+        opt._set_main_param_and_optimizer_states = wrapped
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own AdamW `step` tensor after loading.
+
+    Megatron-Core 0.16's DistributedOptimizer.load_state_dict (no TE/Apex branch) assigns
+    ONE tensor as `step` to every parameter; torch's AdamW increments it in place, so after
+    a resume each parameter's update would see step + (its index) and resume diverges.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.AdamW):
+            for state in inner.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].detach().clone()
+
+
+def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) -> int:
+    """Load model, optimizer, scheduler (and RNG if the layout is unchanged); returns the step."""
+    meta = check_compatible(path, config)
+    state = _loading_state_dict(run_state, config)
+    _keep_unsaved_optimizer_keys(run_state.optimizer)
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(run_state.model):
+        key = f"model{i}" if len(run_state.model) > 1 else "model"
+        chunk.module.load_state_dict(loaded[key])
+    run_state.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(run_state.optimizer)
+    run_state.scheduler.load_state_dict(loaded["scheduler"])
+    now = config.parallel.describe(world_size)
+    rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    if meta["layout_name"] == now and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+        log(f"resumed from {path} at step {meta['step']} (layout {now})")
+    else:
+        log(f"resumed from {path} at step {meta['step']}: resharded from {meta['layout_name']} to {now} "
+            "(RNG states not restored: they are per rank)")
+    return int(meta["step"])

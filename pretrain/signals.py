@@ -1,0 +1,40 @@
+"""Stop requests: SIGTERM/SIGUSR1 (what Slurm sends before a time limit or on preemption)
+and an optional wall-clock limit. The loop finishes the current step, saves, exits 0.
+
+The handler only sets a flag, so a second signal during the save changes nothing: the save
+completes (or, on SIGKILL, the atomic save protocol keeps the previous checkpoint).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class StopRequest:
+    def __init__(self, exit_after_minutes: Optional[float] = None):
+        self.signal_name: Optional[str] = None
+        self._deadline = time.monotonic() + exit_after_minutes * 60 if exit_after_minutes else None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def reason(self) -> Optional[str]:
+        """Agreed across ranks: any rank's signal or deadline stops every rank."""
+        local = 1.0 if self.signal_name else 0.0
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            local = max(local, 0.5)
+        flag = torch.tensor([local])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() >= 1.0:
+            return f"signal {self.signal_name or 'on another rank'}"
+        if flag.item() > 0:
+            return "checkpoint.exit_after_minutes reached"
+        return None
