@@ -140,6 +140,12 @@ def draw_plots(points: list[Point], rows: list[dict], fit: Optional[dict], out_d
     return paths
 
 
+def matplotlib_ticker():
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
 def _legend(ax, **kwargs) -> None:
     """A legend only when something was drawn (a sweep collected before any point ran)."""
     if ax.get_legend_handles_labels()[0]:
@@ -203,6 +209,12 @@ def _plot_scaling(plt, rows: list[dict], fit: Optional[dict], path: Path) -> Pat
                 label=f"fit L = {fit['a']:.3g} C^-{fit['b']:.3g} (R²={fit['r2']:.2f})")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    # Loss spans well under a decade: plain numbers on the y ticks, no crowded minor x labels.
+    plain = matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.xaxis.set_minor_formatter(matplotlib_ticker().FuncFormatter(
+        lambda v, _: f"{v:.0e}" if f"{v:.0e}"[0] in "25" else ""))
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("final training loss L")
     ax.set_title("final loss vs compute")
