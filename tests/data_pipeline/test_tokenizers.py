@@ -82,11 +82,20 @@ def test_llama3_tiktoken_matches_reference_encoder(llama3_model, texts):
     assert isinstance(load_tokenizer(llama3_model), TiktokenTokenizer)
 
 
-def test_tiktoken_long_runs_are_split_not_quadratic(llama3_model):
+def test_tiktoken_cuts_long_inputs_where_llamas_reference_does(llama3_model):
     tok = load_tokenizer("tiktoken:" + llama3_model)
-    text = "a" * 60_000 + " tail " + "\n" * 30_000
-    ids = tok.encode(text)
-    assert tok.decode(ids) == text
+    cases = ["a" * 60_000 + " tail " + "\n" * 30_000 + "x", "c" * 25_000, "c" * 25_001,
+             ("b" * 25_000 + " ") * 3, " " * 50_001 + "z", "é" * 70_000 + "\u3000" * 30_000 + "q",
+             "word " * 90_000]  # 450,000 characters: cut at 400,000 as well
+    try:
+        from llama_models.llama3.tokenizer import Tokenizer as Reference
+    except ImportError:  # installed without its dependencies: check the round trip only
+        Reference = None
+    for text in cases:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        if Reference is not None:
+            assert ids == Reference.get_instance().encode(text, bos=False, eos=False)
 
 
 def test_mistral_sentencepiece(mistral_model, texts):
