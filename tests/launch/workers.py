@@ -62,3 +62,45 @@ def static_memory(cases: list[dict]) -> list[dict]:
         gc.collect()
         parallel_state.destroy_model_parallel()
     return results
+
+
+def saved_activations(cases: list[dict]) -> list[dict]:
+    """For each case {flavor, overrides}: one forward pass of this rank's model with autograd
+    recording, returning the bytes of the tensors autograd saved for backward (parameters
+    excluded; a view counts its whole storage once) - the activation memory of one microbatch."""
+    import torch
+    from megatron.core import parallel_state
+
+    from models.build import build_model_chunks
+    from models.config import get_flavor
+    from pretrain.config import apply_overrides
+    from pretrain.recipes import get_recipe
+    from pretrain.runtime import init_distributed
+    from pretrain.wrap import DTYPES
+
+    results = []
+    for case in cases:
+        base = get_recipe("tiny-llama").model_copy(update={"model": get_flavor(case["flavor"])})
+        config = apply_overrides(base, overrides=case["overrides"])
+        init_distributed(config.parallel, seed=config.runtime.seed)
+        chunks = build_model_chunks(config.model, config.parallel, seed=config.runtime.seed, spec="portable",
+                                    params_dtype=DTYPES[config.runtime.dtype], recompute=config.runtime.recompute)
+        sched = config.schedule
+        shape = (sched.micro_batch_size, sched.seq_length)
+        tokens = torch.randint(0, config.model.vocab_size, shape)
+        positions = torch.arange(sched.seq_length).expand(shape)
+        params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = chunks[0](tokens, positions, None, labels=tokens)
+        results.append({"saved_bytes": sum(saved.values()), "loss_shape": list(loss.shape)})
+        del chunks, loss
+        parallel_state.destroy_model_parallel()
+    return results
