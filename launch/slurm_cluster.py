@@ -1,0 +1,278 @@
+"""A real single-node Slurm cluster on this machine: for CI, and for trying launch.slurm.
+
+    python -m launch.slurm_cluster install   # apt-get the Debian packages (root)
+    python -m launch.slurm_cluster start     # start munged + slurmctld + slurmd; prints SLURM_CONF
+    export SLURM_CONF=/tmp/pretrain-slurm/slurm.conf
+    sinfo; python -m launch.slurm --cpu --ntasks-per-node 4 ... --submit
+    python -m launch.slurm_cluster stop      # stop the daemons this directory started
+
+Everything (munge key and socket, slurm.conf, spool, state, logs, PID files) lives under
+one directory (--dir, default $PRETRAIN_SLURM_DIR or /tmp/pretrain-slurm), so several
+checkouts on one machine share one cluster and `start` reuses a running one. There is no
+systemd here: the daemons are started in the background and stopped by their recorded PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DIR = os.environ.get("PRETRAIN_SLURM_DIR", "/tmp/pretrain-slurm")
+PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
+DAEMONS = ["munged", "slurmctld", "slurmd"]
+CLIENTS = ["sbatch", "srun", "scontrol", "sinfo", "scancel"]
+# Task slots on the node. CPU-mode test jobs run more ranks than this machine has cores
+# (4 gloo ranks on 2 cores); slots are what Slurm counts, the ranks still share the cores.
+MIN_SLOTS = 8
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm cannot be used here; the message says why and how to install it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPaths:
+    root: Path
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def munge_dir(self) -> Path:
+        return self.root / "munge"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.munge_dir / "munge.socket.2"
+
+    def pid_file(self, daemon: str) -> Path:
+        return self.root / f"{daemon}.pid"
+
+    def log_file(self, daemon: str) -> Path:
+        return self.root / "log" / f"{daemon}.log"
+
+
+def missing_binaries() -> list[str]:
+    return [name for name in DAEMONS + CLIENTS + ["mungekey"] if shutil.which(name) is None
+            and not Path("/usr/sbin", name).exists()]
+
+
+def _binary(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def install_packages() -> None:
+    """apt-get the Debian packages; their install scripts start no services."""
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("installing Slurm needs root (apt-get); run as root or use sudo")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+                   check=True, env=env)
+
+
+def cluster_env(paths: ClusterPaths) -> dict[str, str]:
+    """The environment client commands (sbatch, scontrol, ...) need to find this cluster."""
+    return dict(os.environ, SLURM_CONF=str(paths.conf))
+
+
+def ping(paths: ClusterPaths) -> bool:
+    """True when this directory's cluster answers and its node can run jobs."""
+    if not paths.conf.is_file() or shutil.which("sinfo") is None:
+        return False
+    try:
+        out = subprocess.run(["sinfo", "--noheader", "--format=%T"], env=cluster_env(paths),
+                             capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    states = out.stdout.split()
+    return out.returncode == 0 and any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states)
+
+
+def _node_line(slots: int) -> str:
+    """slurm.conf's node line: NodeName must be this host's short name (what slurmd checks)."""
+    probe = subprocess.run([_binary("slurmd"), "-C"], capture_output=True, text=True, check=True)
+    fields = dict(item.split("=", 1) for item in probe.stdout.split() if "=" in item)
+    cpus = max(int(fields.get("CPUs", 1)), slots)
+    memory = fields.get("RealMemory", "1")
+    return f"NodeName={socket.gethostname().split('.')[0]} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN"
+
+
+def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
+    for sub in ("log", "spool", "state", "munge"):
+        (paths.root / sub).mkdir(parents=True, exist_ok=True)
+    # munged refuses a socket directory others cannot enter and a key others can read.
+    os.chmod(paths.munge_dir, 0o755)
+    key = paths.munge_dir / "munge.key"
+    if not key.exists():
+        subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}"], check=True)
+    os.chmod(key, 0o600)
+    root = paths.root
+    paths.conf.write_text("\n".join([
+        "# Single-node test cluster written by launch/slurm_cluster.py.",
+        "ClusterName=pretrain-ci",
+        "SlurmctldHost=localhost",
+        "SlurmUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        # cred_expire: a requeued job waits this long before it may start again (default 120 s).
+        f"AuthInfo=socket={paths.munge_socket},cred_expire=10",
+        f"StateSaveLocation={root}/state",
+        f"SlurmdSpoolDir={root}/spool",
+        f"SlurmctldPidFile={paths.pid_file('slurmctld')}",
+        f"SlurmdPidFile={paths.pid_file('slurmd')}",
+        f"SlurmctldLogFile={paths.log_file('slurmctld')}",
+        f"SlurmdLogFile={paths.log_file('slurmd')}",
+        # pgid: a job's background children die with it (linuxproc would let them outlive it).
+        "ProctrackType=proctrack/pgid",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "SchedulerType=sched/builtin",
+        # Look for runnable jobs every 2 s (default 60): a requeued job starts when eligible.
+        "SchedulerParameters=sched_interval=2",
+        "MpiDefault=none",
+        "ReturnToService=2",
+        # No accounting daemon: `scontrol show job` is the record; keep finished jobs an hour.
+        "MinJobAge=3600",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        # The node line declares more CPUs (task slots) than the machine has; accept it.
+        "SlurmdParameters=config_overrides",
+        "KillWait=30",
+        _node_line(slots),
+        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+        "",
+    ]))
+
+
+def _start_daemon(paths: ClusterPaths, name: str, argv: list[str]) -> None:
+    log = paths.log_file(name)
+    with open(log, "a") as out:
+        # New session: the daemons must not die with the shell or pytest that started them.
+        subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=cluster_env(paths),
+                       check=True, start_new_session=True, timeout=30)
+
+
+def _wait_for(predicate, what: str, paths: ClusterPaths, timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in (paths.root / "log").glob("*.log"))
+    raise SlurmUnavailable(f"{what} did not come up within {timeout:.0f} s; daemon logs:\n{logs}")
+
+
+def start(paths: ClusterPaths, slots: int = MIN_SLOTS) -> bool:
+    """Start the cluster unless it already runs; returns True when this call started it."""
+    missing = missing_binaries()
+    if missing:
+        raise SlurmUnavailable(
+            f"Slurm is not installed (missing: {', '.join(missing)}); install it with "
+            "`python -m launch.slurm_cluster install` (Debian: apt-get install "
+            f"{' '.join(PACKAGES)})")
+    paths.root.mkdir(parents=True, exist_ok=True)
+    with _locked(paths):
+        if ping(paths):
+            return False
+        stop(paths)  # leftovers of a half-started cluster hold the ports
+        write_config(paths, slots)
+        munge = paths.munge_dir
+        _start_daemon(paths, "munged", [
+            _binary("munged"), "--force", f"--socket={paths.munge_socket}",
+            f"--key-file={munge / 'munge.key'}", f"--pid-file={paths.pid_file('munged')}",
+            f"--log-file={paths.log_file('munged')}", f"--seed-file={munge / 'munge.seed'}"])
+        _wait_for(paths.munge_socket.exists, "munged", paths)
+        # -c: start from a clean state (no jobs of an earlier test cluster are resurrected).
+        _start_daemon(paths, "slurmctld", [_binary("slurmctld"), "-c", "-f", str(paths.conf)])
+        _start_daemon(paths, "slurmd", [_binary("slurmd"), "-f", str(paths.conf)])
+        _wait_for(lambda: ping(paths), "the Slurm node", paths)
+        return True
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop(paths: ClusterPaths) -> list[str]:
+    """Stop this directory's daemons by their recorded PIDs; returns the ones stopped."""
+    stopped = []
+    for name in reversed(DAEMONS):  # slurmd, slurmctld, then munged (which they need)
+        pid = _read_pid(paths.pid_file(name))
+        if pid is None or not _alive(pid):
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        stopped.append(f"{name} ({pid})")
+        paths.pid_file(name).unlink(missing_ok=True)
+    return stopped
+
+
+@contextlib.contextmanager
+def _locked(paths: ClusterPaths):
+    """Two test sessions starting the cluster at once would fight over the ports."""
+    with open(paths.root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.slurm_cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["install", "start", "status", "stop"])
+    parser.add_argument("--dir", default=DEFAULT_DIR, help="cluster directory (default %(default)s)")
+    parser.add_argument("--slots", type=int, default=MIN_SLOTS, help="task slots on the node")
+    args = parser.parse_args(argv)
+    paths = ClusterPaths(Path(args.dir).resolve())
+    try:
+        if args.action == "install":
+            if missing_binaries():
+                install_packages()
+            print("slurm installed:", ", ".join(_binary(n) for n in DAEMONS))
+        elif args.action == "start":
+            started = start(paths, args.slots)
+            print(f"{'started' if started else 'already running'}: export SLURM_CONF={paths.conf}")
+        elif args.action == "status":
+            up = ping(paths)
+            print(f"{'up' if up else 'down'}: SLURM_CONF={paths.conf}")
+            return 0 if up else 1
+        else:
+            print("stopped:", ", ".join(stop(paths)) or "nothing was running")
+    except (SlurmUnavailable, subprocess.CalledProcessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
