@@ -59,7 +59,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def _sharded_state(run_state, config: ExperimentConfig, is_loading: bool) -> dict:
+def _sharded_state(run_state, config: Optional[ExperimentConfig], is_loading: bool) -> dict:
     model_sd = {}
     for i, chunk in enumerate(run_state.model):
         key = f"model{i}" if len(run_state.model) > 1 else "model"
@@ -94,10 +94,13 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save(root: Path, step: int, run_state, config: ExperimentConfig, world_size: int, keep_last: int) -> Path:
-    """Save a complete checkpoint atomically; returns its directory."""
+def _write_shards(root: Path, step: int, run_state, async_save: bool):
+    """Write model/optimizer shards and RNG into the temporary directory.
+
+    Returns dist_checkpointing's AsyncRequest when async_save (the shards are written by a
+    forked process while training goes on), else None.
+    """
     rank = dist.get_rank()
-    final = root / step_dir_name(step)
     tmp = root / f".tmp.{step_dir_name(step)}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -105,13 +108,20 @@ def save(root: Path, step: int, run_state, config: ExperimentConfig, world_size:
             shutil.rmtree(tmp)  # a crashed earlier attempt at this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(run_state, config, is_loading=False)
+    state = _sharded_state(run_state, None, is_loading=False)
     state["scheduler"] = run_state.scheduler.state_dict()
-    dist_checkpointing.save(state, str(tmp))
+    request = dist_checkpointing.save(state, str(tmp), async_sharded_save=async_save)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
+    return request
+
+
+def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, keep_last: int) -> Path:
+    """Mark the checkpoint complete, move it into place, advance `latest` (all ranks call)."""
+    dist.barrier()  # every rank's shards are on disk
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp.{step_dir_name(step)}"
+    if dist.get_rank() == 0:
         meta = {
             "step": step,
             "consumed_samples": step * config.schedule.global_batch_size,
@@ -131,6 +141,44 @@ def save(root: Path, step: int, run_state, config: ExperimentConfig, world_size:
         _retain(root, keep_last)
     dist.barrier()
     return final
+
+
+class Checkpointer:
+    """Saves every N steps (sync or async); the loop polls it once per step on every rank."""
+
+    def __init__(self, config: ExperimentConfig, world_size: int, log):
+        self.config, self.world_size, self.log = config, world_size, log
+        self.root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
+        self.queue = None
+        if config.checkpoint.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+
+    def save(self, step: int, run_state) -> None:
+        ckpt = self.config.checkpoint
+        self.wait()  # at most one save in flight: the next save waits for the previous
+        request = _write_shards(self.root, step, run_state, async_save=self.queue is not None)
+        finalize = lambda: self.log(f"saved checkpoint {_finalize(self.root, step, self.config, self.world_size, ckpt.keep_last)}")
+        if request is None:
+            finalize()
+        else:
+            request.add_finalize_fn(finalize)
+            self.queue.schedule_async_request(request)
+
+    def poll(self) -> None:
+        """Finalize a finished async save without blocking (a collective: call on all ranks)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.wait()
+            self.queue.close()
 
 
 def _fsync_write(path: Path, text: str) -> None:

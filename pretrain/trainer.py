@@ -99,6 +99,7 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
     gbs = sched.global_batch_size
     train_iters = chunk_iterators(run.datasets.train, config, start_step * gbs, sched.train_steps * gbs)
     stop = StopRequest(ckpt.exit_after_minutes)
+    saver = checkpoint.Checkpointer(config, run.world_size, lambda m: info(m, dist.get_rank() == 0))
     history: list[StepMetrics] = []
     skipped = 0
     last = time.perf_counter()
@@ -118,13 +119,14 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
             _run_eval(run, step)
         reason = stop.reason()
         final = step == sched.train_steps or reason is not None
+        saver.poll()
         if ckpt.dir and ((ckpt.save_interval and step % ckpt.save_interval == 0) or final):
-            path = checkpoint.save(Path(ckpt.dir), step, run.state, config, run.world_size, ckpt.keep_last)
-            info(f"saved checkpoint {path}", dist.get_rank() == 0)
+            saver.save(step, run.state)
         if reason is not None:
             info(f"stopping after step {step}: {reason}", dist.get_rank() == 0)
             break
         last = time.perf_counter()  # evaluation and checkpoint time are not step time
+    saver.close()  # exit waits for an async save to be complete
     return history
 
 

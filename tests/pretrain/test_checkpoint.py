@@ -46,10 +46,11 @@ def test_exact_resume_and_reshard_on_load(tmp_path):
 
 
 @pytest.mark.slow
-def test_exact_resume_interleaved_distributed_optimizer(tmp_path):
+def test_exact_resume_interleaved_distributed_optimizer_async_save(tmp_path):
     layout = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "optimizer.distributed=true"]
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
-    full = _train(2, tmp_path, "full", layout + [ckpt, "checkpoint.resume=none"])
+    full = _train(2, tmp_path, "full", layout + [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"
     resumed = _train(2, tmp_path, "resumed", layout + [ckpt, "checkpoint.resume=3"])
     assert resumed == full[3:]
 
@@ -92,6 +93,33 @@ def test_sigterm_saves_exits_zero_and_resume_matches(tmp_path):
     resumed = _pretrain(common + [f"logging.run_dir={tmp_path / 'resumed'}"])
     assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
     assert [m["loss"] for m in _metrics(tmp_path / "resumed")] == reference[stopped:]
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_leaves_a_resumable_latest(tmp_path):
+    """Kill -9 a run that saves every step at several moments; each time `latest` names a
+    complete checkpoint and training resumes from it."""
+    ckpt = tmp_path / "ckpt"
+    common = [o for o in BASE if not o.startswith(("schedule.train_steps", "checkpoint.save_interval"))]
+    common += ["schedule.train_steps=200", "checkpoint.save_interval=1", "logging.log_interval=1",
+               f"checkpoint.dir={ckpt}", "checkpoint.keep_last=2"]
+    for attempt, delay in enumerate([0.0, 0.13, 0.31]):
+        proc = _pretrain(common + [f"logging.run_dir={tmp_path / f'run{attempt}'}"])
+        deadline = time.monotonic() + 240
+        while len(_metrics(tmp_path / f"run{attempt}")) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+            time.sleep(0.02)
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        latest = ckpt / (ckpt / "latest").read_text().strip()
+        assert (latest / "COMPLETE").is_file(), f"latest -> {latest} is not complete"
+        config = resolve_config("tiny-llama", None, common)
+        assert resolve_resume(config, print) is not None
+    results = run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama", overrides=common + [
+        "schedule.train_steps=" + str(int((ckpt / "latest").read_text().strip()[5:]) + 1),
+        f"logging.run_dir={tmp_path / 'final'}"])
+    assert len(logged_losses(results)) == 1
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
