@@ -1,0 +1,124 @@
+"""The Slurm test cluster fixture and helpers to submit through `launch.slurm` and wait.
+
+The cluster is a real single-node Slurm (launch/slurm_cluster.py): reused when one runs
+under the same directory, otherwise started here and stopped at the end of the session.
+Without the Debian packages the tests skip, naming the command that installs them; set
+PRETRAIN_REQUIRE_SLURM=1 (CI) to make that a failure instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.slurm_cluster import (
+    DEFAULT_DIR,
+    ClusterPaths,
+    SlurmUnavailable,
+    cluster_env,
+    missing_binaries,
+    start,
+    stop,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_CHECKPOINTING = (REPO / "pretrain" / "checkpoint.py").is_file()
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("PRETRAIN_REQUIRE_SLURM") == "1":
+        pytest.fail(f"PRETRAIN_REQUIRE_SLURM=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_env():
+    """Environment for Slurm's client commands (SLURM_CONF) pointing at the test cluster."""
+    missing = missing_binaries()
+    if missing:
+        _unavailable(f"Slurm is not installed (missing {', '.join(missing)}); "
+                     "`bash launch/ci_slurm.sh install` installs it (as root; .ci/run does)")
+    if os.geteuid() != 0:
+        _unavailable("the test cluster's daemons (munged, slurmctld, slurmd) need root")
+    paths = ClusterPaths(Path(DEFAULT_DIR))
+    try:
+        started = start(paths)
+    except SlurmUnavailable as exc:
+        pytest.fail(f"Slurm is installed but the test cluster did not start: {exc}")
+    yield cluster_env(paths)
+    if started:
+        queue = subprocess.run(["squeue", "--noheader"], env=cluster_env(paths), capture_output=True, text=True)
+        if not queue.stdout.strip():  # another session may still be using it
+            stop(paths)
+
+
+def launch(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`python -m launch.slurm ARGS` as a user types it."""
+    return subprocess.run([sys.executable, "-m", "launch.slurm", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def submit(args: list[str], env: dict) -> str:
+    result = launch([*args, "--submit"], env)
+    assert result.returncode == 0, f"launch.slurm failed:\n{result.stdout}\n{result.stderr}"
+    match = re.search(r"submitted: job (\d+)", result.stdout)
+    assert match, result.stdout
+    return match.group(1)
+
+
+def job_info(job_id: str, env: dict) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def describe(run_dir: Path) -> str:
+    """The tail of every log of a run, for assertion messages."""
+    parts = []
+    for log in sorted((run_dir / "logs").glob("*")):
+        lines = log.read_text(errors="replace").splitlines()
+        keep = [ln for ln in lines if "warn" not in ln.lower()][-25:]
+        parts.append(f"--- {log.name}\n" + "\n".join(keep))
+    return "\n".join(parts)
+
+
+def wait_for_job(job_id: str, env: dict, run_dir: Path, timeout: float = 240) -> dict[str, str]:
+    """Poll `scontrol` (faster than `sbatch --wait`) until the job reaches a final state."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job_id, env)
+        if info["JobState"] in TERMINAL:
+            return info
+        time.sleep(1.0)
+    subprocess.run(["scancel", job_id], env=env)
+    pytest.fail(f"job {job_id} not finished after {timeout:.0f} s\n{describe(run_dir)}")
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl; a step logged twice (re-run after a restart) keeps the last."""
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def wait_for_step(run_dir: Path, step: int, job_id: str, env: dict, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and max(read_losses(run_dir), default=0) >= step:
+            return
+        if job_info(job_id, env)["JobState"] in TERMINAL:
+            pytest.fail(f"job {job_id} ended before step {step}\n{describe(run_dir)}")
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id} did not reach step {step} in {timeout:.0f} s\n{describe(run_dir)}")
