@@ -1,0 +1,118 @@
+"""Checkpoint save/load benchmark: time, bytes written, and the training stall of async save.
+
+    # tiny-llama, one rank, 3 repeats:
+    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3
+    # a ~1B-parameter Llama shape (hidden 2048, 18 layers, 32k vocab), fp32 + Adam state:
+    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3 \
+        model.num_layers=18 model.hidden_size=2048 model.ffn_hidden_size=5632 \
+        model.num_attention_heads=16 model.num_query_groups=4 model.vocab_size=32000
+
+Builds the model and optimizer (no training; one optimizer step so Adam state exists),
+then per repeat: a synchronous save, an async save (the stall is the time until `save()`
+returns and training could continue; total is until the checkpoint is COMPLETE), and a
+load. Prints medians as a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _one_repeat(run, root: Path) -> dict:
+    from pretrain import checkpoint
+
+    out = {}
+    sync_cfg = run.config.model_copy(update={"checkpoint": run.config.checkpoint.model_copy(
+        update={"dir": str(root / "sync"), "async_save": False})})
+    saver = checkpoint.Checkpointer(sync_cfg, run.world_size, lambda m: None)
+    start = time.perf_counter()
+    saver.save(1, run.state)
+    out["sync_save_s"] = time.perf_counter() - start
+    out["bytes"] = _dir_bytes(root / "sync" / "step_00000001")
+
+    async_cfg = sync_cfg.model_copy(update={"checkpoint": sync_cfg.checkpoint.model_copy(
+        update={"dir": str(root / "async"), "async_save": True})})
+    saver = checkpoint.Checkpointer(async_cfg, run.world_size, lambda m: None)
+    start = time.perf_counter()
+    saver.save(1, run.state)
+    out["async_stall_s"] = time.perf_counter() - start
+    saver.close()
+    out["async_total_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    checkpoint.load(root / "sync" / "step_00000001", run.state, sync_cfg, run.world_size, lambda m: None)
+    out["load_s"] = time.perf_counter() - start
+    dist.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.checkpoint_benchmark", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="tiny-llama")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", help="where to write (default: a temporary directory)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+
+    from models.flops import total_params
+    from pretrain.cli import resolve_config
+    from pretrain.data import chunk_iterators
+    from pretrain.runtime import shutdown
+    from pretrain.train import train_step
+    from pretrain.trainer import setup
+
+    base = ["data.demo=false", "data.mock=true", "schedule.train_steps=1", "schedule.seq_length=64",
+            "schedule.micro_batch_size=1", "schedule.global_batch_size=1", "schedule.eval_interval=0",
+            "logging.tensorboard=false", "checkpoint.resume=none"]
+    config = resolve_config(args.recipe, None, base + list(args.overrides))
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=args.dir) as tmp:
+        config = config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": f"{tmp}/run"})})
+        run = setup(config)
+        iters = chunk_iterators(run.datasets.train, config, 0, config.schedule.global_batch_size)
+        train_step(run.state, iters, config, run.num_microbatches, 1)  # Adam state exists
+        results = []
+        for i in range(args.repeats):
+            root = Path(tmp) / f"r{i}"
+            results.append(_one_repeat(run, root))
+            if dist.get_rank() == 0:
+                shutil.rmtree(root, ignore_errors=True)
+            dist.barrier()
+        if dist.get_rank() == 0:
+            _report(args, config, results, total_params(config.model))
+        shutdown()
+    return 0
+
+
+def _report(args, config, results: list[dict], params: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    med["async_stall_vs_sync"] = med["async_stall_s"] / med["sync_save_s"]
+    med["save_gb_per_s"] = med["bytes"] / med["sync_save_s"] / 1e9
+    table = Table(title=f"checkpoint benchmark: {params / 1e6:.1f}M parameters, median of {len(results)}")
+    table.add_column("metric")
+    table.add_column("median", justify="right")
+    for key, value in med.items():
+        table.add_row(key, f"{value:.4g}")
+    Console().print(table)
+    print(json.dumps({"params": params, "recipe": args.recipe, "overrides": args.overrides, **med,
+                      "per_repeat": results}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
