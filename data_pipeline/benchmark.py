@@ -12,8 +12,10 @@ On >= 50 MB of real English text from Debian packages (see debian_text), one run
 and reports MB/s (10^6 bytes of UTF-8 text) and tokens/s, medians over --repeats runs
 interleaved a, a2, b, c. (b) and (c) are timed inside preprocess (from argument checks to
 the committed output, worker start-up included; not the CLI's Megatron-Core import, which
-is reported apart). Peak memory is that of the whole preprocess process tree (PSS summed,
-sampled every 50 ms), on the corpus and on the corpus repeated --rss-scale times.
+is reported apart). Also MB of text per CPU-second over all processes of a run, which
+other jobs on the machine do not skew. Peak memory is that of the whole preprocess
+process tree (PSS summed, sampled every 0.2 s) in two extra runs with 2 workers: on the
+corpus and on the corpus repeated --rss-scale times.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def _encode_worker(spec: str, corpus: str, barrier, results) -> None:
     text_bytes = sum(len(t.encode("utf-8")) for t in texts)
     tokenizer.encode_array(texts[0])  # first-call set-up is not throughput
     barrier.wait()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens = sum(len(tokenizer.encode_array(text)) for text in texts)
-    results.put((start, time.perf_counter(), text_bytes, tokens))
+    results.put((start, time.perf_counter(), text_bytes, tokens, time.process_time() - cpu))
 
 
 def tokenizer_alone(spec: str, corpus: str, processes: int) -> dict:
@@ -60,7 +62,7 @@ def tokenizer_alone(spec: str, corpus: str, processes: int) -> dict:
         proc.join()
     seconds = max(r[1] for r in runs) - min(r[0] for r in runs)
     return {"seconds": seconds, "text_bytes": sum(r[2] for r in runs),
-            "tokens": sum(r[3] for r in runs)}
+            "tokens": sum(r[3] for r in runs), "cpu_seconds": sum(r[4] for r in runs)}
 
 
 class TreeMemorySampler:
@@ -68,7 +70,7 @@ class TreeMemorySampler:
     the parent's pages, so each process counts its proportional share (PSS) of every
     page where Linux reports it, else its RSS."""
 
-    def __init__(self, pid: int, interval: float = 0.05) -> None:
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
         import psutil
 
         self._root = psutil.Process(pid)
@@ -102,8 +104,10 @@ class TreeMemorySampler:
         return self.peak
 
 
-def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str) -> dict:
-    """One CLI run; timing from its --summary-json, peak RSS of its process tree."""
+def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
+                   sample_memory: bool = False) -> dict:
+    """One CLI run; timing from its --summary-json, optionally the peak memory of its
+    process tree (sampling reads /proc smaps, so timed runs go without it)."""
     prefix = os.path.join(work_dir, f"out-w{workers}")
     for ext in (".bin", ".idx", ".meta.json"):
         if os.path.exists(prefix + ext):
@@ -114,16 +118,18 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str) -> dict:
                "--summary-json", summary_path]
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sampler = TreeMemorySampler(proc.pid)
+    sampler = TreeMemorySampler(proc.pid) if sample_memory else None
     _, err = proc.communicate()
     wall = time.perf_counter() - started
-    peak = sampler.stop()
+    peak = sampler.stop() if sampler else None
     if proc.returncode != 0:
         raise RuntimeError(f"preprocess failed:\n{err.decode()}")
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
     return {"seconds": summary["seconds"], "text_bytes": summary["text_bytes"],
-            "tokens": summary["tokens"], "cli_wall_seconds": wall, "peak_rss": peak}
+            "tokens": summary["tokens"], "cli_wall_seconds": wall, "peak_rss": peak,
+            "cpu_seconds": summary["main_cpu_seconds"] + summary["worker_cpu_seconds"],
+            "worker_cpu_seconds": summary["worker_cpu_seconds"]}
 
 
 def ensure_corpus(work_dir: str, cache_dir: str | None, scale: int) -> tuple[str, str | None]:
@@ -155,7 +161,9 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int,
               cache_dir: str | None = None) -> dict:
     corpus, big = ensure_corpus(work_dir, cache_dir, rss_scale)
     runs: dict[str, list[dict]] = {"a": [], "a2": [], "b": [], "c": []}
+    load = []  # 1-minute load average before each repeat: other work skews every number
     for repeat in range(repeats):
+        load.append(round(os.getloadavg()[0], 2))
         runs["a"].append(tokenizer_alone(spec, corpus, 1))
         runs["a2"].append(tokenizer_alone(spec, corpus, 2))
         runs["b"].append(run_preprocess(spec, corpus, 1, work_dir))
@@ -163,22 +171,29 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int,
         print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
             f"{k} {_rate(v[-1])[0]:.2f} MB/s" for k, v in runs.items()), flush=True)
     result = {"tokenizer": spec, "corpus": corpus, "repeats": repeats,
-              "text_mb": runs["a"][0]["text_bytes"] / 1e6, "cpus": os.cpu_count()}
+              "text_mb": runs["a"][0]["text_bytes"] / 1e6, "cpus": os.cpu_count(),
+              "load_average": load}
     for key, values in runs.items():
         rates = [_rate(v) for v in values]
         result[key] = {"mb_s": statistics.median(r[0] for r in rates),
                        "tok_s": statistics.median(r[1] for r in rates),
-                       "all_mb_s": [round(r[0], 3) for r in rates]}
+                       "all_mb_s": [round(r[0], 3) for r in rates],
+                       # MB of text per CPU-second, all processes of the run together
+                       "mb_per_cpu_s": statistics.median(
+                           v["text_bytes"] / v["cpu_seconds"] / 1e6 for v in values)}
     for key in ("b", "c"):
-        result[key]["peak_rss_mb"] = max(v["peak_rss"] for v in runs[key]) / 1e6
         result[key]["cli_wall_s"] = statistics.median(v["cli_wall_seconds"] for v in runs[key])
         result[key]["inside_s"] = statistics.median(v["seconds"] for v in runs[key])
     result["b_over_a"] = result["b"]["mb_s"] / result["a"]["mb_s"]
     result["c_over_a2"] = result["c"]["mb_s"] / result["a2"]["mb_s"]
     result["a2_over_a"] = result["a2"]["mb_s"] / result["a"]["mb_s"]
+    # The pipeline's CPU cost relative to the tokenizer's, immune to other jobs' load.
+    result["cpu_efficiency_b"] = result["b"]["mb_per_cpu_s"] / result["a"]["mb_per_cpu_s"]
+    result["cpu_efficiency_c"] = result["c"]["mb_per_cpu_s"] / result["a"]["mb_per_cpu_s"]
     if big is not None:
-        large = run_preprocess(spec, big, 2, work_dir)
-        result["rss"] = {"small_mb": result["c"]["peak_rss_mb"], "small_text_mb": result["text_mb"],
+        small = run_preprocess(spec, corpus, 2, work_dir, sample_memory=True)
+        large = run_preprocess(spec, big, 2, work_dir, sample_memory=True)
+        result["rss"] = {"small_mb": small["peak_rss"] / 1e6, "small_text_mb": result["text_mb"],
                          "large_mb": large["peak_rss"] / 1e6,
                          "large_text_mb": large["text_bytes"] / 1e6,
                          "large_mb_s": _rate(large)[0]}
@@ -191,15 +206,15 @@ def print_report(result: dict) -> None:
 
     table = Table(title=f"{result['tokenizer']} on {result['text_mb']:.1f} MB of text, "
                         f"medians of {result['repeats']}")
-    for column in ("run", "MB/s", "tokens/s", "runs (MB/s)", "peak RSS MB"):
+    for column in ("run", "MB/s", "tokens/s", "runs (MB/s)", "MB/CPU-s"):
         table.add_column(column, justify="left" if column == "run" else "right")
     names = {"a": "(a) tokenizer, 1 process", "a2": "(a2) tokenizer, 2 processes",
              "b": "(b) preprocess, 1 worker", "c": "(c) preprocess, 2 workers"}
     for key, name in names.items():
         row = result[key]
-        rss = f"{row['peak_rss_mb']:.0f}" if "peak_rss_mb" in row else ""
         table.add_row(name, f"{row['mb_s']:.2f}", f"{row['tok_s']:,.0f}",
-                      " ".join(f"{x:.2f}" for x in row["all_mb_s"]), rss)
+                      " ".join(f"{x:.2f}" for x in row["all_mb_s"]),
+                      f"{row['mb_per_cpu_s']:.2f}")
     console = Console()
     console.print(table)
     verdict = lambda ok: "[green]met[/green]" if ok else "[red]missed[/red]"  # noqa: E731
@@ -207,11 +222,14 @@ def print_report(result: dict) -> None:
                   f"{verdict(result['b_over_a'] >= 0.85)}); (c)/(a2) = {result['c_over_a2']:.1%} "
                   f"(target >= 90%: {verdict(result['c_over_a2'] >= 0.90)}); "
                   f"(a2)/(a) = {result['a2_over_a']:.2f}x")
+    console.print(f"CPU efficiency vs the tokenizer alone (MB per CPU-second, all processes): "
+                  f"(b) {result['cpu_efficiency_b']:.1%}, (c) {result['cpu_efficiency_c']:.1%}")
+    console.print(f"1-minute load average before each repeat: {result['load_average']}")
     console.print(f"CLI wall time incl. imports: (b) {result['b']['cli_wall_s']:.1f} s vs "
                   f"{result['b']['inside_s']:.1f} s inside preprocess")
     if "rss" in result:
         rss = result["rss"]
-        console.print(f"peak RSS, 2 workers: {rss['small_mb']:.0f} MB for {rss['small_text_mb']:.0f}"
+        console.print(f"peak memory (PSS of the process tree), 2 workers: {rss['small_mb']:.0f} MB for {rss['small_text_mb']:.0f}"
                       f" MB of text, {rss['large_mb']:.0f} MB for {rss['large_text_mb']:.0f} MB "
                       f"({rss['large_mb_s']:.2f} MB/s)")
 

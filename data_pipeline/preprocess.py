@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -54,6 +55,10 @@ class RunSummary:
     outputs: list[OutputStats]
     seconds: float
     dtype: str
+    # CPU seconds of this process and of the (reaped) workers during the run: unlike
+    # `seconds`, a measure of the work that other jobs on the machine do not inflate.
+    main_cpu_seconds: float = 0.0
+    worker_cpu_seconds: float = 0.0
 
     def total(self, name: str) -> int:
         return sum(getattr(o, name) for o in self.outputs if not o.up_to_date)
@@ -65,6 +70,8 @@ class RunSummary:
     def to_json(self) -> dict:
         totals = {name: self.total(name) for name in ("documents", "tokens", "text_bytes")}
         return {**totals, "seconds": self.seconds, "dtype": self.dtype,
+                "main_cpu_seconds": self.main_cpu_seconds,
+                "worker_cpu_seconds": self.worker_cpu_seconds,
                 "skipped": dict(self.skipped),
                 "outputs": [{"prefix": o.prefix, "up_to_date": o.up_to_date,
                              "documents": o.documents, "tokens": o.tokens} for o in self.outputs]}
@@ -138,7 +145,8 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     from data_pipeline.workers import InlinePool, WorkerConfig, WorkerPool
 
     console = console or Console(stderr=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    children_start = _children_cpu()
     if workers is not None and workers < 0:
         raise PreprocessError(f"--workers must be >= 0 (0: tokenise in this process), got {workers}")
     if chunk_bytes < 1:
@@ -182,7 +190,13 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
                     done.append(stats[index])
         finally:
             pool.close()
-    return RunSummary(stats, time.perf_counter() - start, dtype.__name__)
+    return RunSummary(stats, time.perf_counter() - start, dtype.__name__,
+                      time.process_time() - cpu_start, _children_cpu() - children_start)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # workers count once reaped
+    return usage.ru_utime + usage.ru_stime
 
 
 def _available_cpus() -> int:
@@ -275,7 +289,9 @@ def print_summary(console, summary: RunSummary) -> None:
     documents, tokens, text = (summary.total(n) for n in ("documents", "tokens", "text_bytes"))
     console.print(f"{documents:,} documents, {tokens:,} tokens ({summary.dtype}), "
                   f"{text / 1e6:,.2f} MB of text in {summary.seconds:.1f} s: "
-                  f"{rates(text, documents, tokens, summary.seconds)}")
+                  f"{rates(text, documents, tokens, summary.seconds)} (CPU: "
+                  f"{summary.main_cpu_seconds:.1f} s main, {summary.worker_cpu_seconds:.1f} s "
+                  "workers)")
     skipped = summary.skipped
     if skipped:
         kinds = ", ".join(f"{n:,} {kind}" for kind, n in sorted(skipped.items()))
