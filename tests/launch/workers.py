@@ -1,5 +1,12 @@
-"""Rank functions for tests/distributed.run_ranks: build + wrap a model and report the bytes
-the parameters, gradient buffers and optimizer state actually occupy on this rank."""
+"""Rank functions for tests/distributed.run_ranks: build this rank's model for a case and
+report what memory it actually uses, for comparison with launch.memory.
+
+`measure(cases)` runs every case in one process group (one spawn per world size: start-up
+dominates on 2 cores), tearing Megatron's parallel state down between cases:
+  kind "static":      build + wrap_for_training; bytes of parameter storages, DDP grad
+                      buffers, fp32 main params and Adam moments.
+  kind "activations": build; bytes autograd saves for backward in one forward pass.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +18,18 @@ def _storage_bytes(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
-def _measure(state) -> dict:
+def _static(config, chunks) -> dict:
     """Bytes by kind: model params, DDP grad buffers, fp32 main params, Adam moments."""
+    from pretrain.wrap import wrap_for_training
+
+    state = wrap_for_training(chunks, config)
     params = _storage_bytes(p for chunk in state.model for p in chunk.module.parameters())
     grads = _storage_bytes(
         buffer.grad_data for chunk in state.model
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]
     )
-    optimizers = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
     main, moments = {}, {}
-    for opt in optimizers:
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
         # Adam's state is created lazily at the first step; Megatron's init_state_fn creates
         # it now (as checkpoint loading does), with the shapes and dtypes a step would use.
         opt.init_state_fn(opt.optimizer, opt.config)
@@ -34,9 +43,31 @@ def _measure(state) -> dict:
             "main_params": sum(main.values()), "optimizer_states": sum(moments.values())}
 
 
-def static_memory(cases: list[dict]) -> list[dict]:
-    """For each case {flavor, overrides}: build this rank's chunks, wrap them for training,
-    measure, tear the parallel state down (the process group stays for the next case)."""
+def _activations(config, chunks) -> dict:
+    """Bytes of the tensors autograd saves in one forward pass of one microbatch
+    (parameters excluded; a view counts its whole storage once)."""
+    import torch
+
+    sched = config.schedule
+    shape = (sched.micro_batch_size, sched.seq_length)
+    tokens = torch.randint(0, config.model.vocab_size, shape)
+    positions = torch.arange(sched.seq_length).expand(shape)
+    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunks[0](tokens, positions, None, labels=tokens)
+    return {"saved_bytes": sum(saved.values())}
+
+
+def measure(cases: list[dict]) -> list[dict]:
+    """For each case {kind, flavor, overrides}: this rank's measurement and pipeline stage."""
     from megatron.core import parallel_state
 
     from models.build import build_model_chunks
@@ -44,7 +75,7 @@ def static_memory(cases: list[dict]) -> list[dict]:
     from pretrain.config import apply_overrides, validate_for_world
     from pretrain.recipes import get_recipe
     from pretrain.runtime import init_distributed, world_size_from_env
-    from pretrain.wrap import DTYPES, wrap_for_training
+    from pretrain.wrap import DTYPES
 
     results = []
     for case in cases:
@@ -52,55 +83,12 @@ def static_memory(cases: list[dict]) -> list[dict]:
         config = apply_overrides(base, overrides=case["overrides"])
         validate_for_world(config, world_size_from_env())
         init_distributed(config.parallel, seed=config.runtime.seed)
-        chunks = build_model_chunks(config.model, config.parallel, seed=config.runtime.seed,
-                                    spec="portable", params_dtype=DTYPES[config.runtime.dtype])
-        state = wrap_for_training(chunks, config)
-        measured = _measure(state)
-        measured["stage"] = parallel_state.get_pipeline_model_parallel_rank()
-        results.append(measured)
-        del state, chunks
-        gc.collect()
-        parallel_state.destroy_model_parallel()
-    return results
-
-
-def saved_activations(cases: list[dict]) -> list[dict]:
-    """For each case {flavor, overrides}: one forward pass of this rank's model with autograd
-    recording, returning the bytes of the tensors autograd saved for backward (parameters
-    excluded; a view counts its whole storage once) - the activation memory of one microbatch."""
-    import torch
-    from megatron.core import parallel_state
-
-    from models.build import build_model_chunks
-    from models.config import get_flavor
-    from pretrain.config import apply_overrides
-    from pretrain.recipes import get_recipe
-    from pretrain.runtime import init_distributed
-    from pretrain.wrap import DTYPES
-
-    results = []
-    for case in cases:
-        base = get_recipe("tiny-llama").model_copy(update={"model": get_flavor(case["flavor"])})
-        config = apply_overrides(base, overrides=case["overrides"])
-        init_distributed(config.parallel, seed=config.runtime.seed)
         chunks = build_model_chunks(config.model, config.parallel, seed=config.runtime.seed, spec="portable",
                                     params_dtype=DTYPES[config.runtime.dtype], recompute=config.runtime.recompute)
-        sched = config.schedule
-        shape = (sched.micro_batch_size, sched.seq_length)
-        tokens = torch.randint(0, config.model.vocab_size, shape)
-        positions = torch.arange(sched.seq_length).expand(shape)
-        params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = chunks[0](tokens, positions, None, labels=tokens)
-        results.append({"saved_bytes": sum(saved.values()), "loss_shape": list(loss.shape)})
-        del chunks, loss
+        measured = (_static if case["kind"] == "static" else _activations)(config, chunks)
+        measured["stage"] = parallel_state.get_pipeline_model_parallel_rank()
+        results.append(measured)
+        del chunks
+        gc.collect()
         parallel_state.destroy_model_parallel()
     return results
