@@ -157,7 +157,11 @@ class AtomicIndexedDataset:
             self._lock.close()
             raise OutputError(f"another process is writing {self.prefix!r} (it holds "
                               f"{self.prefix}.lock); wait for it or choose another prefix") from None
-        self.builder = CompactIndexedDatasetBuilder(self.bin_tmp, self.dtype)
+        try:
+            self.builder = CompactIndexedDatasetBuilder(self.bin_tmp, self.dtype)
+        except BaseException:
+            self.__exit__(None, None, None)  # not called when __enter__ raises
+            raise
         return self
 
     def commit(self, manifest: dict) -> None:
