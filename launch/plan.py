@@ -139,6 +139,12 @@ def evaluate(c: Candidate, device: Device, mem: MemoryOptions, tput: ThroughputO
     return Evaluation(candidate=c, memory=memory, estimate=estimate_step(c, device, tput) if fits else None)
 
 
+def _rank_key(e: Evaluation) -> tuple[float, float]:
+    """Estimated step time to 3 significant digits, then memory: the model cannot tell
+    layouts apart by 0.1%, so among those the one with more headroom ranks first."""
+    return float(f"{e.estimate.step_s:.3g}"), e.memory.total
+
+
 def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, space: SearchSpace,
                  memory_options: MemoryOptions, throughput_options: ThroughputOptions) -> Plan:
     """Every valid layout evaluated and sorted; `ranked` may be empty (see `plan`)."""
@@ -152,7 +158,7 @@ def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, s
             f"{_round_up(config.schedule.global_batch_size, world_size)} or a GPU count that divides it"
         )
     evaluated = [evaluate(c, device, memory_options, throughput_options) for c in candidates]
-    ranked = sorted((e for e in evaluated if e.fits), key=lambda e: (e.estimate.step_s, e.memory.total))
+    ranked = sorted((e for e in evaluated if e.fits), key=_rank_key)
     dropped = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
     return Plan(config=config, world_size=world_size, device=device, ranked=ranked, dropped=dropped,
                 invalid=invalid)
