@@ -308,9 +308,53 @@ def _unshare_adam_steps(optimizer) -> None:
                     state["step"] = state["step"].detach().clone()
 
 
+def read_meta(path: Path) -> dict:
+    """meta.json of a checkpoint directory (step, layout, model config, contents)."""
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def has_optimizer_state(meta: dict) -> bool:
+    """False for model-only checkpoints: checkpoints_tools' serving copies and HF imports."""
+    return bool(meta.get("has_optimizer", True))
+
+
+def mark_complete(directory: Path) -> None:
+    """Write the COMPLETE marker (fsynced); call after every other file of the checkpoint."""
+    _fsync_write(Path(directory) / COMPLETE, "complete\n")
+
+
+def model_state_key(index: int, num_chunks: int) -> str:
+    """`model` for one chunk, `model0`, `model1`, ... for virtual pipeline chunks."""
+    return f"model{index}" if num_chunks > 1 else "model"
+
+
+def load_model_weights(path: Path, chunks: list) -> None:
+    """Load only the model weights of a checkpoint into (unwrapped) chunks at this layout."""
+    state = {model_state_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[model_state_key(i, len(chunks))])
+
+
+def _load_model_only(path: Path, run_state, meta: dict, log) -> int:
+    """Resume from a model-only checkpoint: weights (and the LR schedule if saved), a fresh
+    optimizer. The optimizer copied its main params from the initial weights when it was
+    built, so they are refreshed from the loaded ones."""
+    load_model_weights(path, [chunk.module for chunk in run_state.model])
+    run_state.optimizer.reload_model_params()
+    common = dist_checkpointing.load_common_state_dict(str(path)) or {}
+    if "scheduler" in common:
+        run_state.scheduler.load_state_dict(common["scheduler"])
+    log(f"loaded model weights from {path} (step {meta['step']}); it holds no optimizer state, "
+        "so the optimizer starts fresh" + ("" if "scheduler" in common else " and the LR schedule at step 0"))
+    return int(meta["step"])
+
+
 def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) -> int:
     """Load model, optimizer, scheduler (and RNG if the layout is unchanged); returns the step."""
     meta = check_compatible(path, config)
+    if not has_optimizer_state(meta):
+        return _load_model_only(path, run_state, meta, log)
     state = _loading_state_dict(run_state, config)
     _keep_unsaved_optimizer_keys(run_state.optimizer)
     loaded = dist_checkpointing.load(state, str(path))
