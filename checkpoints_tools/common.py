@@ -1,0 +1,199 @@
+"""What every checkpoints_tools command shares: errors, finding a checkpoint, staged output
+directories (all or nothing), target layouts, training-checkpoint metadata, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from models.config import ModelConfig
+from models.layout import LayoutError, ParallelLayout, validate_layout
+from pretrain.checkpoint import COMPLETE, complete_checkpoints, mark_complete, read_meta
+from pretrain.config import ExperimentConfig, dump_yaml
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ToolError(Exception):
+    """Bad input to a checkpoints_tools command; the message says what and how to fix it."""
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A complete checkpoint step directory, given it or a `checkpoint.dir` (its newest)."""
+    path = Path(path)
+    if not path.exists():
+        raise ToolError(f"checkpoint path {path} does not exist")
+    if (path / "meta.json").is_file():
+        if not (path / COMPLETE).is_file():
+            raise ToolError(f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save crashed); "
+                            "use an earlier step")
+        return path
+    latest = path / "latest"
+    if latest.is_file() and (path / latest.read_text().strip() / COMPLETE).is_file():
+        return path / latest.read_text().strip()
+    found = complete_checkpoints(path)
+    if found:
+        return found[-1]
+    raise ToolError(f"{path} is not a training checkpoint: expected a step_XXXXXXXX directory "
+                    f"(with meta.json and {COMPLETE}) or a checkpoint.dir holding one")
+
+
+def checkpoint_model(path: Path) -> tuple[dict, ModelConfig]:
+    meta = read_meta(path)
+    return meta, ModelConfig.model_validate(meta["model"])
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ToolError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def target_layout(model: ModelConfig, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, cp: int = 1,
+                  ep: int = 1, etp: Optional[int] = None, sequence_parallel: bool = False,
+                  world_size: Optional[int] = None) -> tuple[ParallelLayout, int]:
+    """A layout (and world size) checked against the model; ToolError names what does not fit."""
+    try:
+        layout = ParallelLayout(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp,
+                                context_parallel=cp, expert_parallel=ep, expert_tensor_parallel=etp,
+                                sequence_parallel=sequence_parallel and tp > 1)
+    except ValueError as exc:
+        raise ToolError(f"invalid layout: {exc}") from None
+    return layout, check_layout(model, layout, world_size)
+
+
+def check_layout(model: ModelConfig, layout: ParallelLayout, world_size: Optional[int] = None) -> int:
+    """Validate a layout for the model; returns the world size (default: the smallest that
+    tiles both the dense grid TPxCPxPP and the expert grid ETPxEPxPP)."""
+    etp = layout.expert_tensor_parallel or layout.tensor_parallel
+    world = world_size or math.lcm(layout.model_parallel_size, etp * layout.expert_parallel * layout.pipeline_parallel)
+    try:
+        validate_layout(model, layout, world)
+    except LayoutError as exc:
+        raise ToolError(f"layout {layout.describe()} does not fit this model: {exc}") from None
+    return world
+
+
+def add_layout_arguments(parser) -> None:
+    group = parser.add_argument_group("target layout (validated against the model)")
+    group.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    group.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    group.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per PP rank")
+    group.add_argument("--cp", type=int, default=1, help="context parallel size")
+    group.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
+    group.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: TP)")
+    group.add_argument("--sequence-parallel", action="store_true", help="record sequence parallelism (TP>1)")
+    group.add_argument("--world-size", type=int, default=None,
+                       help="world size to record (default: one data-parallel replica)")
+
+
+def layout_from_args(model: ModelConfig, args) -> tuple[ParallelLayout, int]:
+    return target_layout(model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp,
+                         sequence_parallel=args.sequence_parallel, world_size=args.world_size)
+
+
+# --- output directories: all or nothing ---------------------------------------------
+
+
+def _holds_something(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+@contextlib.contextmanager
+def staged_output(dst: Path, *, overwrite: bool, protect: tuple[Path, ...] = (), what: str = "output") -> Iterator[Path]:
+    """Yield a temporary sibling of `dst` to write into; move it into place only on success.
+
+    On any error the temporary directory is removed, so no partial output is left behind;
+    an existing non-empty `dst` is refused unless `overwrite` (then replaced at the end).
+    `protect`: inputs that `dst` must not be, contain, or sit inside.
+    """
+    dst = Path(dst).absolute()
+    for src in protect:
+        src = Path(src).resolve()
+        real = dst.resolve()
+        if real == src or src.is_relative_to(real) or real.is_relative_to(src):
+            raise ToolError(f"the {what} directory {dst} overlaps the input {src}; choose another path")
+    if _holds_something(dst) and not overwrite:
+        raise ToolError(f"{dst} already exists and is not empty; pass --overwrite to replace it "
+                        "or choose another output path")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+# --- training-checkpoint metadata ----------------------------------------------------
+
+
+def write_training_meta(out: Path, *, model: ModelConfig, layout: ParallelLayout, world_size: int,
+                        step: int, consumed_samples: int, has_optimizer: bool, config: ExperimentConfig,
+                        provenance: dict) -> None:
+    """meta.json + config.yaml as pretrain.checkpoint writes them, then COMPLETE (last)."""
+    config = config.model_copy(update={"model": model, "parallel": layout})
+    meta = {
+        "step": step,
+        "consumed_samples": consumed_samples,
+        "world_size": world_size,
+        "layout": layout.model_dump(),
+        "layout_name": layout.describe(world_size),
+        "model": model.model_dump(),
+        "has_optimizer": has_optimizer,
+        "converted_by": provenance,
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    (out / "config.yaml").write_text(dump_yaml(config))
+    mark_complete(out)
+
+
+def read_experiment_config(path: Path, model: ModelConfig) -> ExperimentConfig:
+    """The checkpoint's resolved config.yaml (a default one around the model if absent)."""
+    file = Path(path) / "config.yaml"
+    if file.is_file():
+        return ExperimentConfig.model_validate_json(json.dumps(yaml.safe_load(file.read_text())))
+    return ExperimentConfig(model=model)
+
+
+# --- progress ------------------------------------------------------------------------
+
+
+def byte_progress(enabled: bool) -> Progress:
+    """A progress bar over bytes written, on stderr (stdout stays machine-readable)."""
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled, transient=False,
+    )
+
+
+def run_cli(main_body) -> int:
+    """Run a CLI body; ToolError / bad-input errors print `error: ...` and exit 2."""
+    try:
+        return main_body()
+    except ToolError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

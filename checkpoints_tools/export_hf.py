@@ -1,0 +1,219 @@
+"""Export a training checkpoint (any layout) to a Hugging Face model directory.
+
+    # for transformers / vLLM, bf16, with the SentencePiece tokenizer the model was trained with:
+    python -m checkpoints_tools.export_hf runs/tiny/checkpoints runs/tiny/hf --dtype bf16 \
+        --tokenizer data_pipeline/assets/demo_sp.model
+    python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('runs/tiny/hf')"
+    vllm serve runs/tiny/hf --tensor-parallel-size 2
+
+Writes config.json (LlamaForCausalLM, MistralForCausalLM with --architecture, or
+MixtralForCausalLM for MoE models), generation_config.json, safetensors shards with
+model.safetensors.index.json, and the tokenizer files (tokenizer.model + config for
+SentencePiece, or tokenizer.json) with the BOS/EOS ids in both configs. Padded vocab rows
+are dropped; with tied embeddings there is no lm_head (tie_word_embeddings=true).
+The tokenizer is taken from --tokenizer, else from the checkpoint's `tokenizer/` folder
+(written by import_hf), else from its config.yaml `data.tokenizer`.
+Conversion goes layer by layer and tensor by tensor; shards are streamed to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from checkpoints_tools.common import (
+    ToolError,
+    byte_progress,
+    checkpoint_model,
+    parse_dtype,
+    read_experiment_config,
+    resolve_checkpoint,
+    run_cli,
+    staged_output,
+)
+from checkpoints_tools.dcp_io import CheckpointReader, CheckpointFormatError
+from checkpoints_tools.hf_format import (
+    HFConfigError,
+    default_architecture,
+    export_tokenizer,
+    find_tokenizer,
+    generation_config,
+    to_hf_config,
+)
+from checkpoints_tools.mapping import (
+    Rule,
+    global_shape,
+    hf_layer_shapes,
+    hf_name,
+    rules_for,
+    stack_indices,
+    stacked_axes,
+    to_hf,
+)
+from checkpoints_tools.safetensors_io import plan_shards, write_index, write_safetensors
+from models.config import ModelConfig
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def hf_entries(model: ModelConfig, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype, tuple]]:
+    """Every HF tensor in file order: (name, shape, dtype, (rule, index, output number))."""
+    rules = rules_for(model)
+    stacked = [r for r in rules if stacked_axes(r.megatron)]
+    entries = []
+
+    def add(rule: Rule, index: tuple) -> None:
+        for out, (pattern, shape) in enumerate(zip(rule.hf, hf_layer_shapes(rule, model))):
+            name = hf_name(pattern, *index)
+            entries.append((name, shape, dtype, (rule, index, out)))
+
+    add(rules[0], ())  # embeddings first, then layer by layer, then the final norm and head
+    for layer in range(model.num_layers):
+        for rule in stacked:
+            for index in stack_indices(model, rule.megatron):
+                if index[0] == layer:
+                    add(rule, index)
+    for rule in rules[1:]:
+        if not stacked_axes(rule.megatron):
+            add(rule, ())
+    return entries
+
+
+def check_checkpoint_tensors(reader: CheckpointReader, model: ModelConfig) -> None:
+    """Every tensor the export needs exists with the shape meta.json's model implies."""
+    for rule in rules_for(model):
+        expected = global_shape(model, rule.megatron)
+        if not reader.has(rule.megatron):
+            hint = " (the model is untied: output_layer.weight must be saved)" if rule.megatron.startswith("output") else ""
+            raise ToolError(f"checkpoint {reader.path} lacks tensor {rule.megatron!r}{hint}")
+        if reader.shape(rule.megatron) != expected:
+            raise ToolError(f"checkpoint {reader.path}: {rule.megatron} has shape {reader.shape(rule.megatron)} "
+                            f"but meta.json's model implies {expected}; the checkpoint and its meta.json disagree")
+
+
+class _Converter:
+    """Produces HF tensors in entry order; the Megatron tensor of the current (rule, layer)
+    is read once and split (q/k/v, gate/up) once."""
+
+    def __init__(self, reader: CheckpointReader, model: ModelConfig, sources: dict):
+        self.reader, self.model, self.sources = reader, model, sources
+        self.where, self.outputs = None, None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        rule, index, out = self.sources[name]
+        if (rule.megatron, index) != self.where:
+            self.where, self.outputs = None, None
+            self.outputs = to_hf(rule, self.reader.read(rule.megatron, index), self.model)
+            self.where = (rule.megatron, index)
+        return self.outputs[out]
+
+
+def _tokenizer_source(src: Path, tokenizer: Optional[Path], model: ModelConfig) -> Optional[Path]:
+    if tokenizer is not None:
+        found = find_tokenizer(str(tokenizer))
+        if found is None:
+            raise ToolError(f"--tokenizer {tokenizer}: expected a SentencePiece .model file, a tokenizer.json, "
+                            "or a directory holding one")
+        return found
+    if (src / "tokenizer").is_dir():
+        return find_tokenizer(str(src / "tokenizer"))
+    return find_tokenizer(read_experiment_config(src, model).data.tokenizer)
+
+
+def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None,
+              tokenizer: Optional[Path] = None, with_tokenizer: bool = True,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = False) -> dict:
+    """Write the HF directory `dst` for checkpoint `src`; returns a summary."""
+    start = time.perf_counter()
+    src = resolve_checkpoint(src)
+    meta, model = checkpoint_model(src)
+    try:
+        reader = CheckpointReader(src)
+        dtype = dtype or reader.dtype("embedding.word_embeddings.weight")
+        architecture = architecture or default_architecture(model)
+        config = to_hf_config(model, architecture=architecture, dtype=dtype, bos_id=None, eos_id=None)
+        check_checkpoint_tensors(reader, model)
+    except (ValueError, CheckpointFormatError) as exc:
+        raise ToolError(str(exc)) from None
+    token_src = _tokenizer_source(src, tokenizer, model) if with_tokenizer else None
+    if with_tokenizer and token_src is None:
+        raise ToolError("no tokenizer to ship: pass --tokenizer (SentencePiece .model or tokenizer.json), "
+                        "or --no-tokenizer to export the weights alone")
+    entries = hf_entries(model, dtype)
+    shards = plan_shards([e[:3] for e in entries], max_shard_bytes)
+    total = sum(int(torch.Size(e[1]).numel()) * dtype.itemsize for e in entries)
+    convert = _Converter(reader, model, {e[0]: e[3] for e in entries})
+    weight_map = {}
+    with staged_output(dst, overwrite=overwrite, protect=(src,), what="export") as out, \
+            byte_progress(progress) as bar:
+        task = bar.add_task(f"export {meta.get('layout_name')} -> {architecture}", total=total)
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(out / file, shard, convert, on_tensor=lambda n: bar.advance(task, n))
+            weight_map.update({name: file for name, _, _ in shard})
+        write_index(out, weight_map, total)
+        bos = eos = None
+        if token_src is not None:
+            try:
+                bos, eos = export_tokenizer(token_src, out, vocab_size=model.vocab_size, max_length=model.max_seq_length)
+            except HFConfigError as exc:
+                raise ToolError(str(exc)) from None
+        config.update(bos_token_id=bos, eos_token_id=eos)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos), indent=2) + "\n")
+    return {"output": str(Path(dst)), "architecture": architecture, "source_layout": meta.get("layout_name"),
+            "dtype": str(dtype).replace("torch.", ""), "shards": len(shards), "bytes": total,
+            "tokenizer": str(token_src) if token_src else None, "seconds": time.perf_counter() - start}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"size {text!r}: write e.g. 5GB, 500MB or 2GiB")
+    unit = (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(match.group(1)) * scale)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_tools.export_hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", type=Path, help="checkpoint step directory, or a checkpoint.dir (newest)")
+    parser.add_argument("dst", type=Path, help="output Hugging Face model directory")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weight dtype (default: the checkpoint's)")
+    parser.add_argument("--architecture", choices=["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"],
+                        help="HF class (default: Llama for dense, Mixtral for MoE models)")
+    parser.add_argument("--tokenizer", type=Path, help="SentencePiece .model, tokenizer.json, or a directory")
+    parser.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")
+    parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_SHARD_BYTES,
+                        help="largest safetensors shard (default 5GiB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        summary = export_hf(args.src, args.dst, dtype=parse_dtype(args.dtype), architecture=args.architecture,
+                            tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
+                            max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                            progress=not args.no_progress)
+        print(f"wrote {summary['output']}: {summary['architecture']} ({summary['dtype']}, {summary['shards']} "
+              f"shard(s), {summary['bytes'] / 1e9:.3f} GB) from {summary['source_layout']} in "
+              f"{summary['seconds']:.1f} s; tokenizer: {summary['tokenizer'] or 'none'}")
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

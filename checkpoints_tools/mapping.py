@@ -1,0 +1,266 @@
+"""Megatron-Core (torch_dist) <-> Hugging Face names, as data, and the transforms beside them.
+
+Names: a torch_dist key holds ALL layers stacked on a leading axis (and, for experts, all
+experts on a second one), so one key maps to one HF name per layer: `*` in an HF name is
+the layer index, `#` the expert index. Facts behind the transforms (checked numerically,
+see ../shared/notes/megatron-checkpoint-layout.md):
+  - fused QKV under GQA: rows grouped by query group, each group = its heads/groups query
+    heads, then its key head, then its value head; HF keeps q, k, v apart in head order.
+    No RoPE permutation: both sides rotate halves (rotary_interleaved=False).
+  - SwiGLU fc1 = cat([gate, up]) globally (torch_dist holds the global tensor whatever the
+    TP); Mixtral experts: w1 = gate, w3 = up, w2 = down.
+  - vocabulary rows are padded to a multiple of make_vocab_size_divisible_by (NOT times TP
+    here: our padded size is layout-invariant); HF holds exactly vocab_size rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from models.config import ModelConfig
+
+LAYERS = "decoder.layers."
+EXPERTS = "decoder.layers.mlp.experts.experts."
+OPTIMIZER_PREFIX = "optimizer.state."
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One torch_dist key <-> one or more HF names through the named transform."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    transform: str = "copy"  # a key of TRANSFORMS
+
+
+_GLOBAL_RULES = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+)
+_OUTPUT_RULE = Rule("output_layer.weight", ("lm_head.weight",), "vocab")
+_ATTENTION_RULES = (
+    Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight", ("model.layers.*.input_layernorm.weight",)),
+    Rule("decoder.layers.self_attention.linear_qkv.weight",
+         ("model.layers.*.self_attn.q_proj.weight", "model.layers.*.self_attn.k_proj.weight",
+          "model.layers.*.self_attn.v_proj.weight"), "qkv"),
+    Rule("decoder.layers.self_attention.linear_proj.weight", ("model.layers.*.self_attn.o_proj.weight",)),
+    Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.*.post_attention_layernorm.weight",)),
+)
+_DENSE_MLP_RULES = (
+    Rule("decoder.layers.mlp.linear_fc1.weight",
+         ("model.layers.*.mlp.gate_proj.weight", "model.layers.*.mlp.up_proj.weight"), "gate_up"),
+    Rule("decoder.layers.mlp.linear_fc2.weight", ("model.layers.*.mlp.down_proj.weight",)),
+)
+_MOE_RULES = (
+    Rule("decoder.layers.mlp.router.weight", ("model.layers.*.block_sparse_moe.gate.weight",)),
+    Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
+         ("model.layers.*.block_sparse_moe.experts.#.w1.weight",
+          "model.layers.*.block_sparse_moe.experts.#.w3.weight"), "gate_up"),
+    Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight",
+         ("model.layers.*.block_sparse_moe.experts.#.w2.weight",)),
+)
+
+# Which dimension of one layer's (one expert's) tensor tensor parallelism splits, and
+# whether it is a GLU fc1 (gate and up halves split separately, when the model is gated).
+# Keys not listed are replicated across TP ranks (norms, router, row-parallel biases).
+# Used only to cut a checkpoint into the chunks a target TP loads; any chunking loads.
+TP_SPLIT: dict[str, tuple[int, bool]] = {
+    "embedding.word_embeddings.weight": (0, False),
+    "output_layer.weight": (0, False),
+    "decoder.layers.self_attention.linear_qkv.weight": (0, False),
+    "decoder.layers.self_attention.linear_qkv.bias": (0, False),
+    "decoder.layers.self_attention.linear_proj.weight": (1, False),
+    "decoder.layers.mlp.linear_fc1.weight": (0, True),
+    "decoder.layers.mlp.linear_fc1.bias": (0, True),
+    "decoder.layers.mlp.linear_fc2.weight": (1, False),
+    "decoder.layers.mlp.experts.experts.linear_fc1.weight": (0, True),
+    "decoder.layers.mlp.experts.experts.linear_fc2.weight": (1, False),
+}
+
+# Linear modules whose `_extra_state` (Transformer Engine's FP8 metadata; None on the
+# portable spec) Megatron-Core saves as one ShardedObject per layer (per expert).
+EXTRA_STATE_MODULES = {
+    "dense": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+    "moe": ("self_attention.linear_qkv", "self_attention.linear_proj"),
+    "experts": ("linear_fc1", "linear_fc2"),
+}
+
+
+def rules_for(model: ModelConfig) -> list[Rule]:
+    """The name rules of this architecture, in HF order (embeddings, layers, norm, head)."""
+    check_hf_compatible(model)
+    mlp = _MOE_RULES if model.is_moe else _DENSE_MLP_RULES
+    rules = [_GLOBAL_RULES[0], *_ATTENTION_RULES, *mlp, _GLOBAL_RULES[1]]
+    if not model.tie_embeddings:
+        rules.append(_OUTPUT_RULE)
+    return rules
+
+
+def check_hf_compatible(model: ModelConfig) -> None:
+    """Refuse architectures Llama/Mistral/Mixtral cannot express, naming the field."""
+    problems = []
+    if model.normalization != "RMSNorm":
+        problems.append(f"normalization={model.normalization} (Llama-family models use RMSNorm)")
+    if model.activation != "swiglu":
+        problems.append(f"activation={model.activation} (Llama-family models use SwiGLU)")
+    if model.position_embedding != "rope":
+        problems.append(f"position_embedding={model.position_embedding} (Llama-family models use RoPE)")
+    if model.add_bias_linear or model.add_qkv_bias:
+        problems.append("linear biases (add_bias_linear / add_qkv_bias)")
+    if model.moe_shared_expert_hidden_size:
+        problems.append("a shared expert (moe_shared_expert_hidden_size; Mixtral has none)")
+    if problems:
+        raise ValueError("this model has no Llama/Mistral/Mixtral equivalent: " + "; ".join(problems)
+                         + ". Export/import supports RMSNorm + SwiGLU + RoPE decoders without biases")
+
+
+def stacked_axes(key: str) -> int:
+    """Leading axes of a torch_dist key that index layers (1) and experts (2), else 0."""
+    key = key[len(OPTIMIZER_PREFIX):].split(".", 1)[1] if key.startswith(OPTIMIZER_PREFIX) else key
+    if key.startswith(EXPERTS):
+        return 2
+    return 1 if key.startswith(LAYERS) else 0
+
+
+def model_key(key: str) -> str:
+    """`optimizer.state.exp_avg.<model key>` -> `<model key>` (model keys unchanged)."""
+    if key.startswith(OPTIMIZER_PREFIX):
+        return key[len(OPTIMIZER_PREFIX):].split(".", 1)[1]
+    return key
+
+
+def hf_name(pattern: str, layer: Optional[int] = None, expert: Optional[int] = None) -> str:
+    name = pattern if layer is None else pattern.replace("*", str(layer))
+    return name if expert is None else name.replace("#", str(expert))
+
+
+def layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer (per-expert) shape of every torch_dist model tensor, from the config alone."""
+    h, d = model.hidden_size, model.head_dim
+    vp = model.padded_vocab_size
+    shapes = {
+        "embedding.word_embeddings.weight": (vp, h),
+        "decoder.final_layernorm.weight": (h,),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (h,),
+        "decoder.layers.self_attention.linear_qkv.weight": ((model.num_attention_heads + 2 * model.query_groups) * d, h),
+        "decoder.layers.self_attention.linear_proj.weight": (h, model.num_attention_heads * d),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (h,),
+    }
+    if model.is_moe:
+        f = model.expert_ffn_hidden_size
+        shapes["decoder.layers.mlp.router.weight"] = (model.num_experts, h)
+        shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = (2 * f, h)
+        shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = (h, f)
+    else:
+        shapes["decoder.layers.mlp.linear_fc1.weight"] = (2 * model.ffn_hidden_size, h)
+        shapes["decoder.layers.mlp.linear_fc2.weight"] = (h, model.ffn_hidden_size)
+    if not model.tie_embeddings:
+        shapes["output_layer.weight"] = (vp, h)
+    return shapes
+
+
+def global_shape(model: ModelConfig, key: str) -> tuple[int, ...]:
+    """The stacked (global) shape torch_dist stores for a model key."""
+    lead = {0: (), 1: (model.num_layers,), 2: (model.num_layers, model.num_experts or 1)}[stacked_axes(key)]
+    return lead + layer_shapes(model)[key]
+
+
+def stack_indices(model: ModelConfig, key: str) -> list[tuple[int, ...]]:
+    """Every (layer[, expert]) index of a key: () for an unstacked key."""
+    axes = stacked_axes(key)
+    if axes == 0:
+        return [()]
+    if axes == 1:
+        return [(layer,) for layer in range(model.num_layers)]
+    return [(layer, e) for layer in range(model.num_layers) for e in range(model.num_experts)]
+
+
+def extra_state_keys(model: ModelConfig) -> list[str]:
+    """The ShardedObject keys Megatron-Core expects for `_extra_state` (layout-invariant)."""
+    n, keys = model.num_layers, []
+    modules = EXTRA_STATE_MODULES["moe" if model.is_moe else "dense"]
+    for layer in range(n):
+        keys += [f"{LAYERS}{m}._extra_state/shard_{layer}_{n}" for m in modules]
+        if model.is_moe:
+            e = model.num_experts
+            keys += [f"{EXPERTS}{m}._extra_state/shard_{layer}.{x}_{n}.{e}"
+                     for x in range(e) for m in EXTRA_STATE_MODULES["experts"]]
+    return keys
+
+
+# --- transforms: one layer's (one expert's) tensor <-> the HF tensors -------------------
+
+def split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """Megatron's grouped [q heads of group g; k_g; v_g]... rows -> HF q, k, v."""
+    groups, d = model.query_groups, model.head_dim
+    per_group = model.num_attention_heads // groups
+    grouped = qkv.reshape(groups, per_group + 2, d, qkv.shape[-1])
+    q = grouped[:, :per_group].reshape(groups * per_group * d, -1)
+    k = grouped[:, per_group].reshape(groups * d, -1)
+    v = grouped[:, per_group + 1].reshape(groups * d, -1)
+    return q, k, v
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """HF q, k, v -> Megatron's fused rows, grouped by query group (inverse of split_qkv)."""
+    groups, d = model.query_groups, model.head_dim
+    per_group = model.num_attention_heads // groups
+    cols = q.shape[-1]
+    grouped = torch.cat([q.reshape(groups, per_group, d, cols), k.reshape(groups, 1, d, cols),
+                         v.reshape(groups, 1, d, cols)], dim=1)
+    return grouped.reshape(-1, cols)
+
+
+def split_gate_up(fc1: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
+    gate, up = fc1.chunk(2, dim=0)
+    return gate, up
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    return torch.cat([gate, up], dim=0)
+
+
+def unpad_vocab(rows: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor]:
+    """Drop the padding rows: HF holds exactly vocab_size rows."""
+    return (rows[: model.vocab_size],)
+
+
+def pad_vocab(rows: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """Zero rows up to the padded size (never looked up; their logits start at 0)."""
+    extra = model.padded_vocab_size - rows.shape[0]
+    return torch.cat([rows, rows.new_zeros(extra, *rows.shape[1:])]) if extra else rows
+
+
+def _copy_out(tensor: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor]:
+    return (tensor,)
+
+
+def _copy_in(tensor: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    return tensor
+
+
+# name -> (to HF: megatron layer tensor -> HF tensors, from HF: HF tensors -> megatron tensor)
+TRANSFORMS: dict[str, tuple[Callable[..., Sequence[torch.Tensor]], Callable[..., torch.Tensor]]] = {
+    "copy": (_copy_out, _copy_in),
+    "qkv": (split_qkv, fuse_qkv),
+    "gate_up": (split_gate_up, fuse_gate_up),
+    "vocab": (unpad_vocab, pad_vocab),
+}
+
+
+def to_hf(rule: Rule, tensor: torch.Tensor, model: ModelConfig) -> Sequence[torch.Tensor]:
+    return TRANSFORMS[rule.transform][0](tensor, model)
+
+
+def from_hf(rule: Rule, tensors: Sequence[torch.Tensor], model: ModelConfig) -> torch.Tensor:
+    return TRANSFORMS[rule.transform][1](*tensors, model)
+
+
+def hf_layer_shapes(rule: Rule, model: ModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of the HF tensors of one rule (per layer/expert), by running the transform on
+    a meta tensor: shapes can never disagree with what the transform produces."""
+    meta = torch.empty(layer_shapes(model)[rule.megatron], device="meta")
+    return [tuple(t.shape) for t in to_hf(rule, meta, model)]

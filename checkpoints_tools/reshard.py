@@ -1,0 +1,166 @@
+"""Reshard a training checkpoint to another parallel layout, offline, in one process.
+
+    # TP2 x PP2 training checkpoint -> TP4 serving copy without optimizer state, in bf16:
+    python -m checkpoints_tools.reshard runs/tiny/checkpoints runs/tiny/tp4 --tp 4 \
+        --drop-optimizer --dtype bf16
+    # then resume training at the new layout (4 ranks):
+    torchrun --nproc-per-node 4 -m pretrain --recipe tiny-llama parallel.tensor_parallel=4 \
+        checkpoint.resume=runs/tiny/tp4 checkpoint.dir=runs/tiny/checkpoints-tp4
+
+Our torch_dist checkpoints hold global tensors, so any layout can load any checkpoint;
+resharding rewrites the shards cut for the target layout (one chunk per layer and TP
+rank, so each rank of the new layout reads only its bytes), optionally without the
+optimizer state and cast to another dtype, and records the new layout in meta.json and
+config.yaml. The target layout is validated against the model first (TP must divide the
+heads, query groups, FFN and padded vocab; PP x VPP the layers; EP the experts). Tensors
+are converted one layer at a time; the output appears only when complete (COMPLETE last).
+A checkpoint without optimizer state resumes with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from checkpoints_tools.common import (
+    DTYPE_NAMES,
+    ToolError,
+    add_layout_arguments,
+    byte_progress,
+    check_layout,
+    checkpoint_model,
+    layout_from_args,
+    parse_dtype,
+    read_experiment_config,
+    resolve_checkpoint,
+    run_cli,
+    staged_output,
+    write_training_meta,
+)
+from checkpoints_tools.dcp_io import CheckpointReader, layout_chunks, read_common, write_checkpoint
+from checkpoints_tools.mapping import OPTIMIZER_PREFIX, stacked_axes
+from models.layout import ParallelLayout
+from pretrain.checkpoint import has_optimizer_state
+
+
+class LayerCache:
+    """Serves chunks of one stacked tensor from the last (key, layer[, expert]) read.
+
+    Output chunks come in plan order (all TP chunks of a layer in a row), so each source
+    layer is read once whatever the source and target TP; memory holds one layer of one
+    key (or one unstacked tensor such as the embedding).
+    """
+
+    def __init__(self, load):
+        self.load = load  # (key, index) -> tensor[index]
+        self.where, self.tensor = None, None
+
+    def chunk(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+        lead = stacked_axes(key)
+        where = (key, tuple(offsets[:lead]))
+        if where != self.where:
+            self.where, self.tensor = None, None  # drop the old layer before reading the next
+            self.tensor, self.where = self.load(*where), where
+        view = self.tensor
+        for dim, (start, length) in enumerate(zip(offsets[lead:], sizes[lead:])):
+            view = view.narrow(dim, start, length)
+        return view.reshape(sizes)
+
+
+def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optional[int] = None,
+            drop_optimizer: bool = False, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
+            progress: bool = False) -> dict:
+    """Write the checkpoint `src` (a step directory or a checkpoint.dir) to `dst` for `layout`.
+
+    dtype casts the model weights only (optimizer state stays fp32). Returns a summary
+    (output, layouts, bytes written, seconds).
+    """
+    start = time.perf_counter()
+    src = resolve_checkpoint(src)
+    meta, model = checkpoint_model(src)
+    world = check_layout(model, layout, world_size)
+    reader = CheckpointReader(src)
+    has_optimizer = has_optimizer_state(meta) and any(k.startswith(OPTIMIZER_PREFIX) for k in reader.tensor_keys())
+    keep_optimizer = has_optimizer and not drop_optimizer
+    tensors = {}
+    for key in reader.tensor_keys():
+        is_optimizer = key.startswith(OPTIMIZER_PREFIX)
+        if is_optimizer and not keep_optimizer:
+            continue
+        shape = reader.shape(key)
+        out_dtype = dtype if dtype is not None and not is_optimizer else reader.dtype(key)
+        tensors[key] = (shape, out_dtype, layout_chunks(key, shape, layout, model.gated))
+    objects = {key: reader.read_object(key) for key in reader.object_keys()}
+    common = read_common(src)
+    if not keep_optimizer:
+        common.pop("optimizer", None)
+    total = sum(_nbytes(shape, dt) for shape, dt, _ in tensors.values())
+    cache = LayerCache(reader.read)
+    with staged_output(dst, overwrite=overwrite, protect=(src,), what="reshard output") as out, \
+            byte_progress(progress) as bar:
+        task = bar.add_task(f"reshard -> {layout.describe(world)}", total=total)
+
+        def produce(key, offsets, sizes):
+            chunk = cache.chunk(key, offsets, sizes)
+            bar.advance(task, chunk.numel() * tensors[key][1].itemsize)
+            return chunk
+
+        write_checkpoint(out, tensors, produce, objects, common)
+        if meta.get("layout_name") == layout.describe(world) and (src / "rng").is_dir():
+            shutil.copytree(src / "rng", out / "rng")  # same ranks: their RNG streams still apply
+        write_training_meta(
+            out, model=model, layout=layout, world_size=world, step=int(meta["step"]),
+            consumed_samples=int(meta.get("consumed_samples", 0)), has_optimizer=keep_optimizer,
+            config=read_experiment_config(src, model),
+            provenance={"tool": "checkpoints_tools.reshard", "source": str(src.resolve()),
+                        "source_layout": meta.get("layout_name"),
+                        "dtype": DTYPE_NAMES.get(dtype) if dtype else "unchanged"},
+        )
+    return {"output": str(Path(dst)), "source_layout": meta.get("layout_name"), "layout": layout.describe(world),
+            "optimizer": keep_optimizer, "bytes": total, "seconds": time.perf_counter() - start}
+
+
+def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_tools.reshard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", type=Path, help="checkpoint step directory, or a checkpoint.dir (newest)")
+    parser.add_argument("dst", type=Path, help="output checkpoint directory (resume with checkpoint.resume=DST)")
+    add_layout_arguments(parser)
+    parser.add_argument("--drop-optimizer", action="store_true", help="write model weights only (serving copy)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast model weights (default: keep)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        _, model = checkpoint_model(resolve_checkpoint(args.src))
+        layout, world = layout_from_args(model, args)
+        summary = reshard(args.src, args.dst, layout=layout, world_size=world, drop_optimizer=args.drop_optimizer,
+                          dtype=parse_dtype(args.dtype), overwrite=args.overwrite, progress=not args.no_progress)
+        print(f"wrote {summary['output']}: {summary['source_layout']} -> {summary['layout']}, "
+              f"{summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f} s"
+              + ("" if summary["optimizer"] else " (model weights only)"))
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Verify logits parity between our model (from a checkpoint) and a Hugging Face model.
+
+    python -m checkpoints_tools.verify runs/tiny/checkpoints runs/tiny/hf --tolerance 1e-4
+    python -m checkpoints_tools.verify runs/tiny/checkpoints runs/tiny/hf --text "In the beginning" --json
+
+Runs the same token batch through our Megatron-Core model, built at TP1 in this process
+and loaded from the checkpoint whatever layout saved it, and through
+`transformers.AutoModelForCausalLM` loaded from the HF directory, both in fp32. Reports the
+max and mean absolute difference of the logits over the real (unpadded) vocabulary and
+the fraction of positions whose greedy next token agrees. Exit status 1 when the max
+difference exceeds --tolerance (or agreement is below --min-agreement), 2 on bad input.
+Needs `transformers` (a test dependency: pip install '.[test]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from checkpoints_tools.common import ToolError, checkpoint_model, resolve_checkpoint, run_cli
+from models.layout import ParallelLayout
+
+
+def _single_process_env() -> None:
+    """A one-rank gloo world on a free port, unless a launcher already set one up."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[ParallelLayout] = None,
+                 seed: int = 0) -> Optional[torch.Tensor]:
+    """Full-vocabulary fp32 logits [batch, seq, padded vocab] of our model loaded from
+    `checkpoint` at `layout` (default TP1 in this process); None on ranks other than the
+    last pipeline stage's first tensor-parallel rank. Starts Megatron's parallel state
+    (under torchrun / run_ranks for layouts over several ranks)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from models.build import build_model_chunks
+    from pretrain.checkpoint import load_model_weights
+    from pretrain.runtime import init_distributed
+
+    layout = layout or ParallelLayout()
+    _, model = checkpoint_model(checkpoint)
+    _single_process_env()
+    init_distributed(layout, seed=seed)
+    chunks = build_model_chunks(model, layout, seed=seed, spec="auto")
+    load_model_weights(checkpoint, chunks)
+    for chunk in chunks:
+        chunk.eval()
+    batch, seq = tokens.shape
+    device = next(chunks[0].parameters()).device
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+
+    def forward_step(data_iterator, chunk):
+        output = chunk(tokens.to(device), positions.to(device), None)
+
+        def collect(output_tensor, non_loss_data=False):
+            return gather_from_tensor_model_parallel_region(output_tensor).float().cpu()
+
+        return output, collect
+
+    # The interleaved schedule needs a multiple of PP microbatches: feed the batch PP times.
+    microbatches = layout.pipeline_parallel if layout.virtual_pipeline else 1
+    iterators = [iter([None] * microbatches) for _ in chunks]
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=microbatches, seq_length=seq,
+            micro_batch_size=batch, forward_only=True, collect_non_loss_data=True)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    if not (last and parallel_state.get_tensor_model_parallel_rank() == 0):
+        return None
+    return outputs[0]
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    try:
+        import transformers
+    except ImportError:
+        raise ToolError("verify needs transformers: pip install '.[test]' (or transformers==5.23.0)") from None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    hf.eval()
+    with torch.no_grad():
+        return hf(input_ids=tokens).logits.float()
+
+
+def compare(ours: torch.Tensor, theirs: torch.Tensor, vocab_size: int) -> dict:
+    """Max/mean |difference| over the real vocabulary and greedy next-token agreement."""
+    ours = ours[..., :vocab_size]
+    if ours.shape != theirs.shape:
+        raise ToolError(f"logit shapes differ: ours {tuple(ours.shape)} vs HF {tuple(theirs.shape)}; "
+                        "the HF directory is not an export of this checkpoint's model")
+    diff = (ours - theirs).abs()
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "greedy_agreement": agree,
+            "positions": int(ours.shape[0] * ours.shape[1])}
+
+
+def make_tokens(hf_dir: Path, vocab_size: int, *, text: Optional[str], batch: int, seq: int, seed: int) -> torch.Tensor:
+    if text is None:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab_size, (batch, seq), generator=generator)
+    import transformers
+
+    ids = transformers.AutoTokenizer.from_pretrained(str(hf_dir))(text)["input_ids"]
+    return torch.tensor([ids])
+
+
+def verify(checkpoint: Path, hf_dir: Path, *, tolerance: float = 1e-4, min_agreement: float = 1.0,
+           text: Optional[str] = None, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
+    """Compare logits; the report's `passed` says whether both thresholds hold."""
+    checkpoint = resolve_checkpoint(checkpoint)
+    _, model = checkpoint_model(checkpoint)
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise ToolError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    if seq > model.max_seq_length:
+        raise ToolError(f"--seq {seq} exceeds the model's max_seq_length {model.max_seq_length}")
+    tokens = make_tokens(Path(hf_dir), model.vocab_size, text=text, batch=batch, seq=seq, seed=seed)
+    theirs = hf_logits(Path(hf_dir), tokens)
+    ours = model_logits(checkpoint, tokens, seed=seed)
+    report = compare(ours, theirs, model.vocab_size)
+    report.update(tolerance=tolerance, min_agreement=min_agreement,
+                  passed=report["max_abs_diff"] <= tolerance and report["greedy_agreement"] >= min_agreement)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_tools.verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="checkpoint step directory, or a checkpoint.dir (newest)")
+    parser.add_argument("hf_dir", type=Path, help="Hugging Face model directory")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| allowed")
+    parser.add_argument("--min-agreement", type=float, default=1.0, help="min greedy next-token agreement")
+    parser.add_argument("--text", help="encode this text with the HF tokenizer (default: random tokens)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        report = verify(args.checkpoint, args.hf_dir, tolerance=args.tolerance, min_agreement=args.min_agreement,
+                        text=args.text, batch=args.batch, seq=args.seq, seed=args.seed)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(f"max |diff| {report['max_abs_diff']:.3e}, mean |diff| {report['mean_abs_diff']:.3e}, "
+                  f"greedy agreement {report['greedy_agreement']:.4f} over {report['positions']} positions: "
+                  + ("PASS" if report["passed"] else f"FAIL (tolerance {args.tolerance:g}, "
+                                                     f"min agreement {args.min_agreement:g})"))
+        return 0 if report["passed"] else 1
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
