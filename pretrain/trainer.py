@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 
 from models.build import build_model_chunks
-from pretrain.config import ExperimentConfig, dump_yaml, num_microbatches, validate_for_world
+from pretrain.config import (
+    ExperimentConfig,
+    dump_yaml,
+    num_microbatches,
+    validate_for_machine,
+    validate_for_world,
+)
 from pretrain.data import build_datasets, chunk_iterators
 from pretrain.metrics import (
     MetricsWriter,
@@ -43,12 +49,17 @@ class Run:
     writer: MetricsWriter
     throughput: Throughput
     log_rank: bool
+    stop: StopRequest
     start_step: int = 0
 
 
 def setup(config: ExperimentConfig) -> Run:
+    # Handlers first: a SIGTERM/USR1 during start-up stops the run after its first step
+    # (with a checkpoint) instead of killing the rank.
+    stop = StopRequest(config.checkpoint.exit_after_minutes)
     world_size = world_size_from_env()
     validate_for_world(config, world_size)  # before any process group exists
+    validate_for_machine(config)  # the spec `auto` resolves to here can run this config
     resume_from = checkpoint.resolve_resume(config, print)  # bad checkpoint paths fail here
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, config)
@@ -64,7 +75,7 @@ def setup(config: ExperimentConfig) -> Run:
     chunks = build_model_chunks(
         config.model, config.parallel, seed=config.runtime.seed, spec=config.runtime.spec,
         params_dtype=DTYPES[config.runtime.dtype], recompute=config.runtime.recompute,
-        fp8=config.runtime.fp8,
+        fp8=config.runtime.fp8, moe_grouped_gemm=config.runtime.moe_grouped_gemm,
     )
     state = wrap_for_training(chunks, config)
     start_step = 0
@@ -79,6 +90,7 @@ def setup(config: ExperimentConfig) -> Run:
         writer=MetricsWriter(config.logging.run_dir, log_rank, config.logging.tensorboard),
         throughput=Throughput(config.model, sched.seq_length, sched.global_batch_size, world_size, peak),
         log_rank=log_rank,
+        stop=stop,
         start_step=start_step,
     )
 
@@ -98,7 +110,7 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
     config, sched, ckpt = run.config, run.config.schedule, run.config.checkpoint
     gbs = sched.global_batch_size
     train_iters = chunk_iterators(run.datasets.train, config, start_step * gbs, sched.train_steps * gbs)
-    stop = StopRequest(ckpt.exit_after_minutes)
+    stop = run.stop
     saver = checkpoint.Checkpointer(config, run.world_size, lambda m: info(m, dist.get_rank() == 0))
     history: list[StepMetrics] = []
     skipped = 0
@@ -148,7 +160,7 @@ def _step_metrics(run: Run, step: int, loss: float, result, step_time: float) ->
         step=step, loss=loss, lr=result.lr, grad_norm=result.grad_norm, step_time_s=step_time,
         tokens_per_s=tps, tokens_per_s_per_device=tps_dev, tflops_per_device=tflops, mfu=mfu,
         peak_mem_gb=peak_memory_gb(), overhead_frac=max(0.0, 1.0 - result.compute_time_s / step_time),
-        skipped=result.skipped,
+        skipped=result.skipped, moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss,
     )
 
 
