@@ -3,10 +3,13 @@
 `build_model_chunks` applies parallelism in this order:
   1. `transformer_config`: architecture + layout + precision + recompute -> TransformerConfig
      (TP/PP/VPP sizes MUST be set there: without them every stage silently builds all layers).
-  2. `layer_spec`: `te` (Transformer Engine fused modules) or `portable` (torch-native).
+  2. `layer_spec`: `te` (Transformer Engine fused modules; TE does SP and CP) or
+     `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with
+     our MoE router (`models.moe`).
   3. one `GPTModel` per virtual pipeline stage, each with the pre/post-process flags of
      its position in the pipeline, built on the current device.
-  4. `initialize_weights`: layout-invariant values (seed, global name) -> same start for
+  4. expert weights marked expert-parallel at every EP size (same optimizer structure).
+  5. `initialize_weights`: layout-invariant values (seed, global name) -> same start for
      every layout.
 Wrapping for training (DDP, optimizer) is `pretrain.wrap.wrap_for_training`'s job.
 """
@@ -31,8 +34,10 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.config import ModelConfig
-from models.init import initialize_weights
+from models.context_parallel import ContextParallelAttention
+from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
+from models.moe import with_layout_invariant_router
 from models.portable import PortableNorm
 
 SpecName = Literal["auto", "te", "portable"]
@@ -74,6 +79,7 @@ def transformer_config(
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     fp8: Optional[str] = None,
     spec: Literal["te", "portable"] = "portable",
+    moe_grouped_gemm: Optional[bool] = None,
 ) -> TransformerConfig:
     """Map (architecture, layout, precision) onto Megatron-Core's TransformerConfig."""
     on_gpu = torch.cuda.is_available()
@@ -132,29 +138,52 @@ def transformer_config(
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if layout.context_parallel > 1 and spec == "te":
+        # TE's names; the portable spec has one CP algorithm (all-gather) and ignores this.
+        kwargs.update(cp_comm_type=_TE_CP_COMM[layout.cp_comm_type or "p2p"])
     if model.is_moe:
-        kwargs.update(
-            num_moe_experts=model.num_experts,
-            moe_router_topk=model.moe_router_topk,
-            moe_ffn_hidden_size=model.expert_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_hidden_size,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_z_loss_coeff=model.moe_z_loss_coeff,
-            moe_router_load_balancing_type="aux_loss",
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
-        )
+        kwargs.update(_moe_kwargs(model, layout, spec, moe_grouped_gemm))
     return TransformerConfig(**kwargs)
 
 
+_TE_CP_COMM = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather"}
+
+
+def _moe_kwargs(model: ModelConfig, layout: ParallelLayout, spec: str, grouped_gemm: Optional[bool]) -> dict:
+    if grouped_gemm and spec != "te":
+        raise ValueError("moe_grouped_gemm needs the te spec (Transformer Engine's grouped GEMM)")
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.expert_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_hidden_size,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        moe_expert_capacity_factor=model.moe_capacity_factor,
+        moe_token_drop_policy=model.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=model.moe_pad_to_capacity,
+        moe_token_dispatcher_type=layout.moe_dispatcher,
+        moe_grouped_gemm=spec == "te" if grouped_gemm is None else grouped_gemm,
+    )
+
+
 def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_stage: Optional[int]):
-    """The block spec for this pipeline chunk (its layers and its final norm)."""
+    """The block spec for this pipeline chunk (its layers and its final norm).
+
+    `te`: Megatron-Core's Transformer Engine block spec (TE does SP and CP itself).
+    `portable`: the local spec with `PortableNorm` (sequence-parallel aware) and, at CP > 1,
+    `ContextParallelAttention` as core attention. Both use `LayoutInvariantRouter` for MoE.
+    """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(
+        block = get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization=config.normalization, vp_stage=vp_stage
+        )
+        return dataclasses.replace(
+            block, layer_specs=[with_layout_invariant_router(s) for s in block.layer_specs]
         )
     local = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, normalization=config.normalization
@@ -162,7 +191,15 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
     submodules = dataclasses.replace(
         local.submodules, input_layernorm=PortableNorm, pre_mlp_layernorm=PortableNorm
     )
-    layer = ModuleSpec(module=local.module, submodules=submodules, params=local.params)
+    if config.context_parallel_size > 1:
+        attention = local.submodules.self_attention
+        submodules = dataclasses.replace(submodules, self_attention=dataclasses.replace(
+            attention,
+            submodules=dataclasses.replace(attention.submodules, core_attention=ContextParallelAttention),
+        ))
+    layer = with_layout_invariant_router(
+        ModuleSpec(module=local.module, submodules=submodules, params=local.params)
+    )
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=PortableNorm)
 
 
@@ -175,6 +212,7 @@ def build_model_chunks(
     params_dtype: torch.dtype = torch.float32,
     recompute: Literal["none", "selective", "full"] = "none",
     fp8: Optional[str] = None,
+    moe_grouped_gemm: Optional[bool] = None,
 ) -> list[GPTModel]:
     """Build this rank's model chunks (one per virtual pipeline stage), initialised.
 
@@ -183,6 +221,7 @@ def build_model_chunks(
     resolved = resolve_spec(spec)
     config = transformer_config(
         model, layout, params_dtype=params_dtype, recompute=recompute, fp8=fp8, spec=resolved,
+        moe_grouped_gemm=moe_grouped_gemm,
         microbatch_group_size_per_vp_stage=layout.pipeline_parallel if layout.virtual_pipeline else None,
     )
     device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
@@ -209,6 +248,23 @@ def build_model_chunks(
             # not use); in fp32 they would turn bf16 hidden states into fp32 ones.
             gpt.embedding.position_embeddings.to(dtype=params_dtype)
         gpt.to(device)
+        if model.is_moe:
+            _mark_expert_params(gpt)
         chunks.append(gpt)
     initialize_weights(chunks, model, seed)
     return chunks
+
+
+def _mark_expert_params(chunk: torch.nn.Module) -> None:
+    """Treat routed-expert weights as expert-parallel at every EP size, EP 1 included.
+
+    Megatron-Core sets `allreduce=False` on expert weights only when EP > 1; that flag
+    decides whether DDP reduces their gradients over the expert-DP group and whether the
+    optimizer puts them in a separate (chained) optimizer. Setting it always keeps the
+    optimizer's structure, and so its checkpoint keys, the same at EP 1 and EP > 1 (a
+    checkpoint saved at EP2 then loads at EP1), and reduces expert gradients over the
+    ranks that really hold replicas of the same expert shard when expert TP != TP.
+    """
+    for name, param in chunk.named_parameters():
+        if is_expert_param(name):
+            param.allreduce = False

@@ -53,8 +53,17 @@ class ModelConfig(BaseModel):
     moe_router_topk: int = Field(default=2, gt=0)
     moe_ffn_hidden_size: Optional[int] = Field(default=None, gt=0)
     moe_shared_expert_hidden_size: Optional[int] = Field(default=None, gt=0)
-    moe_aux_loss_coeff: float = 1e-2
-    moe_z_loss_coeff: Optional[float] = None
+    # Load-balancing (Switch) aux loss weight; 0 turns it off. Logged as `moe_aux_loss`.
+    moe_aux_loss_coeff: float = Field(default=1e-2, ge=0)
+    # Router z-loss weight (ST-MoE); None = off.
+    moe_z_loss_coeff: Optional[float] = Field(default=None, gt=0)
+    # Expert capacity as a multiple of the even share (tokens x top-k / experts); tokens over
+    # capacity are dropped. None = no dropping (every routed token is computed).
+    moe_capacity_factor: Optional[float] = Field(default=None, gt=0)
+    # Which tokens to drop when over capacity: lowest router probability, or latest position.
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    # Pad every expert's input to its capacity (fixed shapes); needs moe_capacity_factor.
+    moe_pad_to_capacity: bool = False
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
@@ -73,6 +82,15 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
             )
+        moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
+                    "moe_shared_expert_hidden_size": self.moe_shared_expert_hidden_size,
+                    "moe_capacity_factor": self.moe_capacity_factor,
+                    "moe_z_loss_coeff": self.moe_z_loss_coeff}
+        set_without_experts = [k for k, v in moe_only.items() if v is not None]
+        if self.num_experts is None and set_without_experts:
+            raise ValueError(f"{', '.join(set_without_experts)} need(s) a MoE model; set num_experts")
+        if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
+            raise ValueError("moe_pad_to_capacity=true needs moe_capacity_factor (the capacity to pad to)")
         return self
 
     @property
@@ -120,6 +138,8 @@ _TINY_LLAMA = ModelConfig(
     num_query_groups=2, vocab_size=4000, max_seq_length=256, norm_eps=1e-5,
     rope_base=10000.0,
 )
+# 4 experts, top-2: EP 1, 2 and 4 all hold whole experts.
+_TINY_MOE = _TINY_LLAMA.model_copy(update=dict(num_experts=4, moe_router_topk=2, ffn_hidden_size=256))
 
 FLAVORS: dict[str, ModelConfig] = {
     "llama2-7b": _LLAMA2_7B,
@@ -151,8 +171,11 @@ FLAVORS: dict[str, ModelConfig] = {
         position_embedding="learned_absolute", add_bias_linear=True, add_qkv_bias=True,
         tie_embeddings=True,
     ),
-    "tiny-moe": _TINY_LLAMA.model_copy(
-        update=dict(num_experts=4, moe_router_topk=2, ffn_hidden_size=256)
+    "tiny-moe": _TINY_MOE,
+    # The optional MoE features on: a shared expert (always-on dense MLP beside the routed
+    # experts) and the router z-loss.
+    "tiny-moe-shared": _TINY_MOE.model_copy(
+        update=dict(moe_shared_expert_hidden_size=128, moe_z_loss_coeff=1e-3)
     ),
 }
 

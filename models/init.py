@@ -23,9 +23,13 @@ from megatron.core import parallel_state
 from models.config import ModelConfig
 
 _LAYER_RE = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+# SequentialMLP: experts.local_experts.<local>.linear_fc1.weight
 _EXPERT_RE = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
-# Output-side projections get std / sqrt(2 L) (GPT-2 / Megatron "scaled init").
-_SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# Transformer Engine's grouped GEMM (TEGroupedMLP): experts.linear_fc1.weight<local>
+_GROUPED_EXPERT_RE = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+# Output-side projections (attention, dense MLP, routed and shared experts) get
+# std / sqrt(2 L) (GPT-2 / Megatron "scaled init", Megatron's output_layer_init_method).
+_SCALED = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 
 def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
@@ -34,31 +38,43 @@ def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
     Local layer indices restart at 0 in every pipeline chunk; Megatron-Core's
     `TransformerLayer.layer_number` is the global 1-based index, so we rewrite
     `decoder.layers.<local>.` to `decoder.layers.<global>.`. Local expert indices are
-    rewritten to global ones with the EP rank's offset.
+    rewritten to global ones with the EP rank's offset (EP rank r holds experts
+    [r E/EP, (r+1) E/EP), as Megatron-Core's MoE layer and its checkpoints assume), and
+    TE grouped-GEMM names map to the same per-expert names, so both specs and every EP
+    size draw each expert from the same seed.
     """
     module = chunk.module if hasattr(chunk, "module") else chunk
     layer_numbers = {}
     for i, layer in enumerate(module.decoder.layers):
         layer_numbers[i] = layer.layer_number - 1
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    offset = 0
+    if module.config.num_moe_experts:
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        offset = parallel_state.get_expert_model_parallel_rank() * (module.config.num_moe_experts // ep_size)
     names = {}
     for name, _ in module.named_parameters():
         new = name
         m = _LAYER_RE.match(new)
         if m:
             new = f"{m.group(1)}{layer_numbers[int(m.group(2))]}{m.group(3)}"
-        m = _EXPERT_RE.match(new)
-        if m:
-            local = int(m.group(2))
-            per_rank = _experts_per_rank(module)
-            new = f"{m.group(1)}{ep_rank * per_rank + local}{m.group(3)}"
-        names[name] = new
+        names[name] = global_expert_name(new, offset)
     return names
 
 
-def _experts_per_rank(module: torch.nn.Module) -> int:
-    cfg = module.config
-    return cfg.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+def global_expert_name(name: str, offset: int) -> str:
+    """`...experts.local_experts.<offset + local>.<rest>` for a local expert parameter name."""
+    m = _EXPERT_RE.match(name)
+    if m:
+        return f"{m.group(1)}{offset + int(m.group(2))}{m.group(3)}"
+    m = _GROUPED_EXPERT_RE.match(name)
+    if m:
+        return f"{m.group(1)}local_experts.{offset + int(m.group(4))}.{m.group(2)}.{m.group(3)}"
+    return name
+
+
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights (split over expert TP); shared experts are ordinary TP layers."""
+    return ".experts." in name
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -66,9 +82,11 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _tp_rank_world(param: torch.nn.Parameter) -> tuple[int, int]:
-    # Expert weights are split over the expert-TP group, everything else over TP.
-    if not getattr(param, "allreduce", True):
+def _tp_rank_world(param: torch.nn.Parameter, name: str) -> tuple[int, int]:
+    # Expert weights are split over the expert-TP group, everything else over TP. Known by
+    # name: Megatron marks them (allreduce=False) only when EP > 1, yet expert TP may
+    # differ from TP at EP 1 too.
+    if is_expert_param(name):
         return (parallel_state.get_expert_tensor_parallel_rank(),
                 parallel_state.get_expert_tensor_parallel_world_size())
     return (parallel_state.get_tensor_model_parallel_rank(),
@@ -79,7 +97,7 @@ def _local_shard(full: torch.Tensor, param: torch.nn.Parameter, name: str, gated
     """This rank's TP shard of a global tensor, in Megatron-Core's in-memory layout."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    rank, world = _tp_rank_world(param)
+    rank, world = _tp_rank_world(param, name)
     dim = param.partition_dim
     if gated and name.endswith("linear_fc1.weight") or gated and name.endswith("linear_fc1.bias"):
         # SwiGLU fc1 is [gate; up] globally, but each TP rank holds [gate_r; up_r].
@@ -88,10 +106,10 @@ def _local_shard(full: torch.Tensor, param: torch.nn.Parameter, name: str, gated
     return full.chunk(world, dim=dim)[rank]
 
 
-def _global_shape(param: torch.nn.Parameter) -> list[int]:
+def _global_shape(param: torch.nn.Parameter, name: str) -> list[int]:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= _tp_rank_world(param)[1]
+        shape[param.partition_dim] *= _tp_rank_world(param, name)[1]
     return shape
 
 
@@ -121,5 +139,5 @@ def initialize_weights(chunks: list[torch.nn.Module], model: ModelConfig, seed: 
             if model.tie_embeddings and name == "output_layer.weight":
                 # The last stage's copy of a tied embedding must equal the first stage's.
                 name = "embedding.word_embeddings.weight"
-            full = _draw(name, _global_shape(param), model, seed, param.device)
+            full = _draw(name, _global_shape(param, name), model, seed, param.device)
             param.copy_(_local_shard(full, param, name, model.gated))

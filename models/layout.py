@@ -6,7 +6,7 @@ ranks share a node's fast links), PP outermost.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,13 @@ class ParallelLayout(BaseModel):
     # None = same as tensor_parallel (Megatron-Core's default).
     expert_tensor_parallel: Optional[int] = Field(default=None, gt=0)
     sequence_parallel: bool = False
+    # How CP ranks exchange keys/values. `te` spec: Transformer Engine's ring ("p2p",
+    # overlaps with compute), head all-to-all ("a2a", Ulysses) or "allgather". `portable`
+    # spec: "allgather" only. None = "p2p" with te, "allgather" with portable.
+    cp_comm_type: Optional[Literal["p2p", "a2a", "allgather"]] = None
+    # MoE token dispatcher over the EP group: "alltoall" sends each token only to the ranks
+    # of its experts; "allgather" gathers all tokens everywhere (simpler, more traffic).
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
 
     @property
     def model_parallel_size(self) -> int:
@@ -84,6 +91,10 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int)
         )
     if layout.sequence_parallel and tp == 1:
         raise LayoutError("sequence_parallel=true needs tensor_parallel > 1; set TP>=2 or turn it off")
+    if cp > 1 and layout.cp_comm_type == "a2a":
+        # Ulysses-style CP scatters each TP rank's heads (and KV groups) over the CP ranks.
+        _check_divides("CP (cp_comm_type=a2a)", cp, "attention heads per TP rank", model.num_attention_heads // tp)
+        _check_divides("CP (cp_comm_type=a2a)", cp, "query groups per TP rank", model.query_groups // tp)
     _validate_moe(model, layout, world_size)
 
 
@@ -95,14 +106,27 @@ def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -
             raise LayoutError(f"expert_parallel={ep} needs a MoE model (num_experts is unset)")
         return
     _check_divides("EP", ep, "num_experts", model.num_experts)
-    # The expert grid (ETP x EP x expert-DP x PP) must tile the same world as the dense one.
+    # Megatron-Core lays the expert grid (expert TP x EP x expert DP x PP) over the same
+    # ranks as the dense grid (TP x CP x DP x PP): EP reuses ranks of TP x CP x DP, so
+    # EP x TP x CP x PP may exceed the world size; ETP x EP x PP must divide it.
     if world_size % (etp * ep * layout.pipeline_parallel):
+        per_stage = world_size // layout.pipeline_parallel
+        valid = [d for d in divisors(per_stage // etp)] if per_stage % etp == 0 else []
         raise LayoutError(
             f"world size {world_size} is not divisible by expert TP({etp}) x EP({ep}) x "
-            f"PP({layout.pipeline_parallel}); choose EP from "
-            f"{[d for d in divisors(world_size // layout.pipeline_parallel // etp)]}"
+            f"PP({layout.pipeline_parallel}) = {etp * ep * layout.pipeline_parallel}; "
+            f"with expert TP {etp} choose EP from {valid}"
         )
     _check_divides("expert TP", etp, "moe ffn hidden size", model.expert_ffn_hidden_size)
+    if model.moe_shared_expert_hidden_size:
+        _check_divides("TP", layout.tensor_parallel, "moe_shared_expert_hidden_size",
+                       model.moe_shared_expert_hidden_size)
+    if layout.tensor_parallel > 1 and not layout.sequence_parallel:
+        # Megatron-Core's MoELayer raises in training when TP > 1 without SP.
+        raise LayoutError(
+            f"a MoE model at tensor_parallel={layout.tensor_parallel} needs sequence_parallel=true "
+            "(Megatron-Core's MoE layer trains with TP only under sequence parallelism)"
+        )
 
 
 def _check_divides(axis: str, size: int, what: str, value: int) -> None:

@@ -30,6 +30,9 @@ class RuntimeConfig(_Strict):
     # Transformer Engine FP8 recipe on GPU (te spec only): "hybrid" = E4M3 fwd, E5M2 bwd.
     fp8: Optional[Literal["hybrid", "e4m3"]] = None
     recompute: Literal["none", "selective", "full"] = "none"
+    # MoE experts as one grouped GEMM (Transformer Engine's GroupedLinear, te spec only)
+    # instead of a loop over experts. None = on with the te spec, off with portable.
+    moe_grouped_gemm: Optional[bool] = None
     # Fault injection for testing checkpoint.on_nan: rank 0 poisons its gradients at this step.
     inject_nan_step: Optional[int] = Field(default=None, gt=0)
 
@@ -223,8 +226,8 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
             f"schedule.seq_length={sched.seq_length} must be divisible by 2 x CP = "
             f"{2 * layout.context_parallel} (load-balanced context parallel split)"
         )
-    if config.runtime.fp8 and config.runtime.spec == "portable":
-        raise ConfigError("runtime.fp8 needs the Transformer Engine spec; set runtime.spec=te or auto on GPU")
+    if config.runtime.spec == "portable":
+        check_spec_support(config, "portable")
     if config.optimizer.min_lr > config.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={config.optimizer.min_lr} exceeds optimizer.lr={config.optimizer.lr}")
     data = config.data
@@ -232,6 +235,40 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
         raise ConfigError("set exactly one data source: data.blend=[[w, prefix], ...], data.demo=true or data.mock=true")
     if data.blend and not data.tokenizer:
         raise ConfigError("data.blend needs data.tokenizer (the tokenizer the data was preprocessed with)")
+
+
+def check_spec_support(config: ExperimentConfig, spec: str) -> None:
+    """Refuse features the (resolved) layer spec cannot run; the message names the fix."""
+    if spec != "portable":
+        return
+    runtime, layout = config.runtime, config.parallel
+    if runtime.fp8:
+        raise ConfigError("runtime.fp8 needs the Transformer Engine spec; set runtime.spec=te or auto on GPU")
+    if layout.context_parallel > 1 and layout.cp_comm_type not in (None, "allgather"):
+        raise ConfigError(
+            f"parallel.cp_comm_type={layout.cp_comm_type} needs the Transformer Engine spec (runtime.spec=te "
+            "on a GPU with Transformer Engine); the portable spec's context parallelism all-gathers "
+            "keys/values: set parallel.cp_comm_type=allgather or leave it unset"
+        )
+    if runtime.moe_grouped_gemm and config.model.is_moe:
+        raise ConfigError("runtime.moe_grouped_gemm=true needs the Transformer Engine spec (TE's grouped "
+                          "GEMM); set runtime.spec=te on GPU, or runtime.moe_grouped_gemm=false")
+
+
+def validate_for_machine(config: ExperimentConfig) -> str:
+    """Resolve runtime.spec on this machine and check the config against it; returns the spec.
+
+    Separate from `validate_for_world` because `auto` depends on the machine (a dry run on a
+    laptop validates a GPU recipe without Transformer Engine). Call before any process group.
+    """
+    from models.build import resolve_spec
+
+    try:
+        spec = resolve_spec(config.runtime.spec)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from None
+    check_spec_support(config, spec)
+    return spec
 
 
 def num_microbatches(config: ExperimentConfig, world_size: int) -> int:

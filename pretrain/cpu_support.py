@@ -35,12 +35,18 @@ class _CudaToCpuMode(TorchFunctionMode):
     rotary embeddings, p2p receive buffers. Torch function modes are thread-local and are
     not active inside autograd's backward threads; code reached from backward is patched
     directly below instead.
+
+    Also drops `pin_memory=True` (page-locked host memory needs a CUDA allocator), e.g.
+    `rope_utils.get_pos_emb_on_this_cp_rank` pins the CP chunk indices under context
+    parallelism before copying them to the GPU.
     """
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU) + tuple(args[2:])
         return func(*args, **kwargs)
@@ -143,6 +149,49 @@ def _patch_all_to_all() -> None:
     dist.all_to_all_single = all_to_all_single
 
 
+def _patch_uneven_collectives() -> None:
+    """Uneven all-gather and list reduce-scatter on gloo.
+
+    With expert tensor parallelism > 1 the MoE alltoall dispatcher gathers and
+    reduce-scatters a different number of tokens per expert-TP rank
+    (`token_dispatcher.MoEAlltoAllTokenDispatcher.dispatch_postprocess` /
+    `combine_preprocess` -> `tensor_parallel.mappings._gather_along_first_dim` /
+    `_reduce_scatter_along_first_dim` with split sizes, the latter from backward). gloo's
+    all_gather needs equal shapes and gloo has no list reduce_scatter. Uneven gathers are
+    padded to the largest piece; reduce_scatter is an all-reduce of the concatenation
+    from which each rank keeps its piece (same sum, more traffic: fine for tests).
+    """
+    original_all_gather = dist.all_gather
+
+    @functools.wraps(original_all_gather)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        if async_op:
+            raise NotImplementedError("uneven async all_gather on gloo")
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in tensor_list]
+        original_all_gather(pieces, padded, group=group)
+        for out, piece in zip(tensor_list, pieces):
+            out.copy_(piece[: out.shape[0]])
+        return None
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            raise NotImplementedError("async reduce_scatter on gloo")
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(flat, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(flat[start:start + output.numel()].view_as(output))
+        return None
+
+    dist.all_gather = all_gather
+    dist.reduce_scatter = reduce_scatter
+
+
 def _patch_pipeline_p2p() -> None:
     """Tag pipeline messages by direction so gloo matches them correctly.
 
@@ -182,6 +231,7 @@ def enable_cpu_execution() -> None:
     _patch_torch_cuda()
     _patch_megatron()
     _patch_all_to_all()
+    _patch_uneven_collectives()
     _patch_pipeline_p2p()
     _CudaToCpuMode().__enter__()  # stays active for the process lifetime (main thread)
     _ENABLED = True

@@ -67,7 +67,9 @@ class StepMetrics:
     # Time outside forward_backward_func + optimizer step (data, logging), as a fraction.
     overhead_frac: float
     skipped: bool = False
+    # MoE: mean load-balancing loss over MoE layers (1.0 = even routing) and router z-loss.
     moe_aux_loss: Optional[float] = None
+    moe_z_loss: Optional[float] = None
 
 
 class Throughput:
@@ -145,6 +147,8 @@ def format_line(m: StepMetrics, total_steps: int) -> str:
         parts.append(f"MFU {100 * m.mfu:4.1f}%")
     if m.moe_aux_loss is not None:
         parts.append(f"aux {m.moe_aux_loss:.4f}")
+    if m.moe_z_loss is not None:
+        parts.append(f"z {m.moe_z_loss:.3f}")
     parts.append(f"mem {m.peak_mem_gb:.2f} GB")
     if m.skipped:
         parts.append("SKIPPED (non-finite)")

@@ -38,6 +38,15 @@ def tiny_llama() -> ExperimentConfig:
     )
 
 
+def tiny_moe() -> ExperimentConfig:
+    """tiny-llama with 4 experts (top-2) per layer: the MoE/EP path on CPU."""
+    base = tiny_llama()
+    return base.model_copy(update=dict(
+        name="tiny-moe", model=get_flavor("tiny-moe"),
+        logging=base.logging.model_copy(update=dict(run_dir="runs/tiny-moe")),
+    ))
+
+
 def _h100_base(name: str, flavor: str, layout: ParallelLayout, *, seq: int, gbs: int,
                lr: float, steps: int) -> ExperimentConfig:
     return ExperimentConfig(
@@ -74,11 +83,20 @@ def gpt3_175b() -> ExperimentConfig:
     return _h100_base("gpt3-175b", "gpt3-175b", layout, seq=2048, gbs=1536, lr=6e-5, steps=300_000)
 
 
+def mixtral_8x7b() -> ExperimentConfig:
+    """Mixtral 8x7B (47B params, 13B active): EP8 within DP, PP4 (8 layers per stage), TP1,
+    as Megatron-LM's Mixtral example; 32 GPUs give DP8 with each DP rank one EP rank."""
+    layout = ParallelLayout(pipeline_parallel=4, expert_parallel=8)
+    return _h100_base("mixtral-8x7b", "mixtral-8x7b", layout, seq=4096, gbs=256, lr=1e-4, steps=250_000)
+
+
 RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
     "tiny-llama": tiny_llama,
+    "tiny-moe": tiny_moe,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "gpt3-175b": gpt3_175b,
+    "mixtral-8x7b": mixtral_8x7b,
 }
 
 

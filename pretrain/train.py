@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from pretrain.config import ExperimentConfig
 from pretrain.wrap import TrainingState
@@ -41,6 +42,10 @@ def _forward_step(data_iterator, model):
     batch = next(data_iterator) if data_iterator is not None else None
     tokens = position_ids = labels = loss_mask = None
     if batch is not None:
+        # Context parallelism: every CP rank reads the same micro-batch and keeps sequence
+        # chunks r and 2CP-1-r of 2 x CP (Megatron-Core's load-balanced causal split, which
+        # RoPE and the portable CP attention assume). A no-op at CP 1.
+        batch = get_batch_on_this_cp_rank(dict(batch))
         tokens, position_ids = batch["tokens"], batch["position_ids"]
         labels, loss_mask = batch["labels"], batch["loss_mask"]
         device = next(model.parameters()).device
@@ -68,6 +73,10 @@ class StepResult:
     lr: float
     skipped: bool
     compute_time_s: float  # forward/backward + optimizer, excluding data fetch
+    # MoE router losses of the step (without their coefficients), mean over MoE layers
+    # and micro-batches: load balancing (1.0 = perfectly even) and z-loss; None if off.
+    moe_aux_loss: Optional[float] = None
+    moe_z_loss: Optional[float] = None
 
 
 def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig,
@@ -84,6 +93,22 @@ def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig
         decoder_seq_length=sched.seq_length // config.parallel.context_parallel,
         forward_only=forward_only,
     )
+
+
+def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> dict[str, float]:
+    """Reduce and reset Megatron-Core's per-layer MoE loss tracker (every rank calls this).
+
+    The routers add each micro-batch's loss share to the tracker; `track_moe_metrics` sums
+    the shares over TP x CP, PP and averages over DP, as Megatron-LM's training loop does.
+    """
+    if not config.model.is_moe:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    totals: dict = {}
+    track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals,
+                      num_layers=config.model.num_layers)
+    return {name: float(value) for name, value in totals.items()}
 
 
 def grads_finite(state: TrainingState) -> bool:
@@ -110,6 +135,8 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
     state.optimizer.zero_grad()
     losses = run_schedule(state, iterators, config, num_microbatches, forward_only=False)
     loss = _reduce_loss(losses)
+    router = moe_router_losses(config, num_microbatches)
+    moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"))
     if config.runtime.inject_nan_step == step:
         _inject_nan(state)
     # Checked before the optimizer: a NaN grad norm would otherwise poison every weight
@@ -117,7 +144,7 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
     if not grads_finite(state):
         fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
         return StepResult(loss, float("nan"), state.optimizer.param_groups[0]["lr"], True,
-                          time.perf_counter() - start - fetch)
+                          time.perf_counter() - start - fetch, **moe)
     update_ok, grad_norm, _ = state.optimizer.step()
     skipped = not update_ok
     if update_ok:
@@ -125,7 +152,7 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
     lr = state.optimizer.param_groups[0]["lr"]
     grad_norm = float(grad_norm) if grad_norm is not None else None
     fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
-    return StepResult(loss, grad_norm, lr, skipped, time.perf_counter() - start - fetch)
+    return StepResult(loss, grad_norm, lr, skipped, time.perf_counter() - start - fetch, **moe)
 
 
 @torch.no_grad()

@@ -36,6 +36,39 @@ def test_moe_experts_must_divide_by_ep():
     validate_layout(moe, ParallelLayout(expert_parallel=2), 2)
 
 
+@pytest.mark.parametrize("layout, world, message", [
+    (ParallelLayout(expert_parallel=2, expert_tensor_parallel=2), 2,
+     "world size 2 is not divisible by expert TP(2) x EP(2) x PP(1) = 4; with expert TP 2 choose EP from [1]"),
+    (ParallelLayout(tensor_parallel=2, expert_parallel=2), 4, "needs sequence_parallel=true"),
+    (ParallelLayout(expert_tensor_parallel=3), 3, "expert TP=3 does not divide moe ffn hidden size=256"),
+])
+def test_invalid_moe_layouts(layout, world, message):
+    with pytest.raises(LayoutError) as err:
+        validate_layout(get_flavor("tiny-moe"), layout, world)
+    assert message in str(err.value)
+
+
+def test_moe_layouts_where_ep_reuses_cp_and_tp_ranks():
+    # EP x TP x CP x PP = 8 > 4 ranks is fine: Megatron-Core folds EP into the TP x CP x DP ranks.
+    validate_layout(get_flavor("tiny-moe"), ParallelLayout(
+        tensor_parallel=2, context_parallel=2, expert_parallel=2, sequence_parallel=True), 4)
+    validate_layout(get_flavor("tiny-moe"), ParallelLayout(context_parallel=2, expert_parallel=2), 2)
+
+
+def test_ulysses_cp_needs_heads_and_groups_divisible():
+    with pytest.raises(LayoutError, match=r"CP \(cp_comm_type=a2a\)=4 does not divide query groups per TP rank=2"):
+        validate_layout(TINY, ParallelLayout(context_parallel=4, cp_comm_type="a2a"), 4)
+    validate_layout(TINY, ParallelLayout(context_parallel=2, cp_comm_type="a2a"), 2)
+
+
+def test_moe_options_need_a_moe_model():
+    with pytest.raises(ValueError, match="moe_capacity_factor need"):
+        TINY.model_validate({**TINY.model_dump(), "moe_capacity_factor": 1.5})
+    moe = get_flavor("tiny-moe")
+    with pytest.raises(ValueError, match="moe_pad_to_capacity=true needs moe_capacity_factor"):
+        moe.model_validate({**moe.model_dump(), "moe_pad_to_capacity": True})
+
+
 def test_valid_layouts_pass_and_describe():
     layout = ParallelLayout(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2)
     validate_layout(TINY, layout, 8)
