@@ -137,13 +137,14 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
     try:
         reader = CheckpointReader(src)
         dtype = dtype or reader.dtype("embedding.word_embeddings.weight")
-        architecture = architecture or default_architecture(model)
+        imported = meta.get("converted_by") or {}
+        architecture = architecture or imported.get("hf_architecture") or default_architecture(model)
         config = to_hf_config(model, architecture=architecture, dtype=dtype, bos_id=None, eos_id=None)
         check_checkpoint_tensors(reader, model)
     except (ValueError, CheckpointFormatError) as exc:
         raise ToolError(str(exc)) from None
     token_src = _tokenizer_source(src, tokenizer, model) if with_tokenizer else None
-    if with_tokenizer and token_src is None:
+    if with_tokenizer and token_src is None and not imported:
         raise ToolError("no tokenizer to ship: pass --tokenizer (SentencePiece .model or tokenizer.json), "
                         "or --no-tokenizer to export the weights alone")
     entries = hf_entries(model, dtype)
@@ -159,7 +160,8 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
             write_safetensors(out / file, shard, convert, on_tensor=lambda n: bar.advance(task, n))
             weight_map.update({name: file for name, _, _ in shard})
         write_index(out, weight_map, total)
-        bos = eos = None
+        # Without a tokenizer, keep the ids an imported model came with.
+        bos, eos = imported.get("hf_bos_token_id"), imported.get("hf_eos_token_id")
         if token_src is not None:
             try:
                 bos, eos = export_tokenizer(token_src, out, vocab_size=model.vocab_size, max_length=model.max_seq_length)

@@ -218,12 +218,13 @@ def _check_vocab(tokenizer_size: int, vocab_size: int, where: Path) -> None:
                             f"{vocab_size}: it is not the tokenizer this model was trained with")
 
 
-def copy_tokenizer_files(src: Path, dst: Path) -> Optional[str]:
-    """Copy an HF directory's tokenizer files (import); returns our data.tokenizer spec for them."""
+def copy_tokenizer_files(src: Path, dst: Path, final: Path) -> Optional[str]:
+    """Copy an HF directory's tokenizer files into dst (import); returns our data.tokenizer
+    spec for them at `final`, where dst will be moved, or None if there are none."""
     present = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     if not any(name in present for name in ("tokenizer.json", "tokenizer.model")):
         return None
     dst.mkdir(parents=True, exist_ok=True)
     for name in present:
         shutil.copyfile(src / name, dst / name)
-    return str(dst if "tokenizer.json" in present else dst / "tokenizer.model")
+    return str(final if "tokenizer.json" in present else final / "tokenizer.model")

@@ -45,10 +45,6 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
     `checkpoint` at `layout` (default TP1 in this process); None on ranks other than the
     last pipeline stage's first tensor-parallel rank. Starts Megatron's parallel state
     (under torchrun / run_ranks for layouts over several ranks)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     from models.build import build_model_chunks
     from pretrain.checkpoint import load_model_weights
     from pretrain.runtime import init_distributed
@@ -59,6 +55,16 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
     init_distributed(layout, seed=seed)
     chunks = build_model_chunks(model, layout, seed=seed, spec="auto")
     load_model_weights(checkpoint, chunks)
+    return forward_logits(chunks, tokens, layout)
+
+
+def forward_logits(chunks: list, tokens: torch.Tensor, layout: ParallelLayout) -> Optional[torch.Tensor]:
+    """Run one batch through this rank's model chunks with Megatron's (pipeline) schedule;
+    the vocab-parallel logits are gathered over TP on the last stage."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
     for chunk in chunks:
         chunk.eval()
     batch, seq = tokens.shape
@@ -82,7 +88,8 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=microbatches, seq_length=seq,
             micro_batch_size=batch, forward_only=True, collect_non_loss_data=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    if not (last and parallel_state.get_tensor_model_parallel_rank() == 0):
+    if not (last and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0):
         return None
     return outputs[0]
 

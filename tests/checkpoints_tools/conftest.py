@@ -1,0 +1,97 @@
+"""Checkpoints trained once per session and shared by the checkpoints_tools tests.
+
+One 4-rank run trains three tiny models in turn (one process start for all) and returns,
+for each, the logits of the trained in-memory model on a fixed batch: the reference every
+export / reshard / verify result is compared with.
+  untied: tiny-llama (GQA 8 heads / 2 query groups = TP), vocab 4000 padded to 4096,
+          RoPE theta 50000 (a dropped rope_theta would show), TP2 x PP2, 2 steps.
+  tied:   tied embeddings, 4 query groups (so TP4 is a valid target), TP2 x PP2, 3 steps
+          saving steps 2 and 3.
+  moe:    the tiny-moe flavor (Mixtral-style, 4 experts, top-2), TP2 (+SP) x EP2 with expert
+          TP 1, 2 steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import free_port, run_ranks
+
+BASE = [
+    "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "schedule.seq_length=64",
+    "schedule.eval_interval=0", "data.demo=false", "data.mock=true", "runtime.spec=portable",
+    "logging.tensorboard=false", "checkpoint.resume=none",
+]
+TP2PP2 = ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"]
+MODELS = {  # name -> (recipe, overrides)
+    "untied": ("tiny-llama", TP2PP2 + ["schedule.train_steps=2", "model.rope_base=50000.0"]),
+    "tied": ("tiny-llama", TP2PP2 + ["schedule.train_steps=3", "checkpoint.save_interval=2",
+                                     "model.tie_embeddings=true", "model.num_query_groups=4"]),
+    # Megatron-Core's MoE layer needs sequence parallelism under TP.
+    "moe": ("tiny-moe", ["schedule.train_steps=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+                         "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"]),
+}
+SP_MODEL = Path(__file__).resolve().parents[2] / "data_pipeline" / "assets" / "demo_sp.model"
+
+
+@dataclasses.dataclass
+class Trained:
+    root: Path  # checkpoint.dir
+    logits: torch.Tensor  # [batch, seq, padded vocab] of the trained model, fp32
+    losses: list[float]
+    recipe: str
+    overrides: list[str]  # what trained it (to resume it with the same model config)
+
+    @property
+    def latest(self) -> Path:
+        return self.root / (self.root / "latest").read_text().strip()
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> dict[str, Trained]:
+    base = tmp_path_factory.mktemp("trained")
+    jobs = []
+    for name, (recipe, extra) in MODELS.items():
+        overrides = BASE + extra + [f"checkpoint.dir={base / name}", f"logging.run_dir={base / name}-run"]
+        jobs.append({"recipe": recipe, "overrides": overrides, "port": free_port()})
+    per_rank = run_ranks(4, "tests.checkpoints_tools.workers:train_jobs", jobs=jobs)
+    out = {}
+    for i, name in enumerate(MODELS):
+        report = next(rank[i] for rank in per_rank if rank[i]["logits"] is not None)
+        out[name] = Trained(base / name, torch.tensor(report["logits"]), report["losses"],
+                            jobs[i]["recipe"], jobs[i]["overrides"])
+    return out
+
+
+def _save_hf(path: Path, kind: str) -> Path:
+    """A randomly initialised tiny HF model (GQA 4 heads / 2 KV heads), saved as safetensors."""
+    import transformers
+
+    torch.manual_seed({"llama": 1, "llama-tied": 2, "mistral": 3, "mixtral": 4}[kind])
+    common = dict(vocab_size=4000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  rope_theta=50000.0)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **common, tie_word_embeddings=kind == "llama-tied"))
+    model.save_pretrained(path)
+    # The demo SentencePiece tokenizer (4000 ids) as an HF Llama tokenizer.
+    (path / "tokenizer.model").write_bytes(SP_MODEL.read_bytes())
+    (path / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}')
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("hf")
+    return {kind: _save_hf(base / kind, kind) for kind in ("llama", "llama-tied", "mistral", "mixtral")}

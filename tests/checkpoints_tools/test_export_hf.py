@@ -1,0 +1,128 @@
+"""export_hf: what transformers loads from our export computes our logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from checkpoints_tools.common import DTYPES
+from checkpoints_tools.export_hf import export_hf
+from tests.checkpoints_tools.conftest import SP_MODEL
+from tests.checkpoints_tools.workers import tokens
+from tests.distributed import REPO
+
+pytestmark = [pytest.mark.distributed]
+transformers = pytest.importorskip("transformers")
+
+
+def read_export(out) -> dict[str, torch.Tensor]:
+    """Every tensor of an export, through its index (which must match the files exactly)."""
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(out / file), "pt") as f:
+            for name in f.keys():
+                assert index["weight_map"][name] == file
+                tensors[name] = f.get_tensor(name)
+    assert set(tensors) == set(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    return tensors
+
+
+def hf_logits(out, vocab_size: int) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=tokens(vocab_size)).logits
+
+
+@pytest.mark.parametrize("name, architecture", [
+    ("untied", None), ("untied", "MistralForCausalLM"), ("tied", None), ("moe", None),
+])
+def test_transformers_loads_export_and_logits_match(trained, tmp_path, name, architecture):
+    run = trained[name]
+    out = tmp_path / "hf"
+    summary = export_hf(run.latest, out, architecture=architecture, tokenizer=SP_MODEL)
+    config = json.loads((out / "config.json").read_text())
+    expected_arch = architecture or ("MixtralForCausalLM" if name == "moe" else "LlamaForCausalLM")
+    assert config["architectures"] == [expected_arch] == [summary["architecture"]]
+    tensors = read_export(out)
+    # Padded vocab rows (4000 -> 4096) removed; tied models ship no lm_head.
+    assert tensors["model.embed_tokens.weight"].shape == (4000, 128) and config["vocab_size"] == 4000
+    assert ("lm_head.weight" in tensors) == (name != "tied") and config["tie_word_embeddings"] == (name == "tied")
+    if name == "moe":  # every expert of every layer, though EP2 split them over ranks
+        assert sum(".experts." in n and n.endswith(".w1.weight") for n in tensors) == 4 * 4
+    logits = hf_logits(out, 4000)
+    diff = (logits - run.logits[..., :4000]).abs().max().item()
+    assert diff <= 1e-4, f"{name}/{expected_arch}: max |logit difference| {diff}"
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2) == (
+        generation["bos_token_id"], generation["eos_token_id"])
+
+
+def test_tokenizer_ships_with_the_right_ids(trained, tmp_path):
+    import sentencepiece
+
+    out = tmp_path / "hf"
+    export_hf(trained["untied"].latest, out, tokenizer=SP_MODEL)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(SP_MODEL))
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (sp.bos_id(), sp.eos_id())
+    text = "In the beginning God created the heaven and the earth."
+    assert tokenizer(text)["input_ids"] == [sp.bos_id()] + sp.encode(text)
+
+
+def test_bf16_export_in_small_shards_equals_cast_fp32_export(trained, tmp_path):
+    run = trained["untied"]
+    full = read_export_of(run, tmp_path / "fp32", dtype=None, shard=None)
+    out = tmp_path / "bf16"
+    summary = export_hf(run.latest, out, dtype=DTYPES["bf16"], with_tokenizer=False, max_shard_bytes=300_000)
+    assert summary["shards"] > 3 and len(list(out.glob("model-*-of-*.safetensors"))) == summary["shards"]
+    small = read_export(out)
+    assert all(small[n].dtype == torch.bfloat16 and torch.equal(small[n], full[n].to(torch.bfloat16)) for n in full)
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))  # multi-shard through the index
+    assert model.dtype == torch.bfloat16
+
+
+def read_export_of(run, out, *, dtype, shard):
+    export_hf(run.latest, out, dtype=dtype, with_tokenizer=False, **({"max_shard_bytes": shard} if shard else {}))
+    return read_export(out)
+
+
+def _verify_cli(checkpoint, hf_dir) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "checkpoints_tools.verify", str(checkpoint), str(hf_dir), "--json"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_verify_passes_export_and_catches_swapped_kv(trained, tmp_path):
+    """The classic GQA export bug (k and v rows swapped) must fail verify with exit 1."""
+    run = trained["untied"]
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    export_hf(run.latest, good, tokenizer=SP_MODEL)
+    export_hf(run.latest, bad, tokenizer=SP_MODEL)
+    shard = next(bad.glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        weights = {n: f.get_tensor(n) for n in f.keys()}
+    k, v = "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight"
+    weights[k], weights[v] = weights[v], weights[k]
+    from safetensors.torch import save_file
+
+    save_file(weights, str(shard), metadata={"format": "pt"})
+    procs = {"good": _verify_cli(run.latest, good), "bad": _verify_cli(run.latest, bad)}
+    results = {name: (p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for name, p in procs.items()}
+    code, out, err = results["good"]
+    assert code == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["passed"] and report["max_abs_diff"] <= 1e-4 and report["greedy_agreement"] == 1.0
+    code, out, err = results["bad"]
+    assert code == 1, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert not report["passed"] and report["max_abs_diff"] > 1e-2

@@ -1,0 +1,77 @@
+"""Rank functions for tests/distributed.run_ranks: train and report logits, load at a layout."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SEED_TOKENS = 1234
+
+
+def tokens(vocab_size: int, batch: int = 2, seq: int = 64) -> torch.Tensor:
+    """The fixed token batch every parity test feeds both models."""
+    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(SEED_TOKENS))
+
+
+def train_jobs(jobs: list[dict]) -> list[dict]:
+    """Train each job ({recipe, overrides}) in turn in these ranks (one process start for
+    several models); after each, the trained in-memory model's logits on `tokens`."""
+    from checkpoints_tools.verify import forward_logits
+    from pretrain.cli import resolve_config
+    from pretrain.runtime import shutdown
+    from pretrain.trainer import setup, train as train_loop
+
+    results = []
+    for job in jobs:
+        # A fresh rendezvous per job: re-creating the store on the port just closed hangs.
+        os.environ["MASTER_PORT"] = str(job["port"])
+        config = resolve_config(job["recipe"], None, job["overrides"])
+        run = setup(config)
+        try:
+            history = train_loop(run, run.start_step)
+            logits = forward_logits([c.module for c in run.state.model], tokens(config.model.vocab_size),
+                                    config.parallel)
+            results.append({"losses": [m.loss for m in history] if run.log_rank else None,
+                            "logits": logits.tolist() if logits is not None else None})
+        finally:
+            run.writer.close()
+            shutdown()
+    return results
+
+
+def checkpoint_logits(checkpoint: str, layout: dict) -> list | None:
+    """Our model loaded from `checkpoint` at `layout`; logits on the reporting rank."""
+    from checkpoints_tools.common import checkpoint_model
+    from checkpoints_tools.verify import model_logits
+    from models.layout import ParallelLayout
+
+    _, model = checkpoint_model(checkpoint)
+    logits = model_logits(checkpoint, tokens(model.vocab_size), layout=ParallelLayout(**layout))
+    return logits.tolist() if logits is not None else None
+
+
+def resume_jobs(jobs: list[dict]) -> list[list[float] | None]:
+    """Resume training ({recipe, overrides}) from checkpoints in turn; the logged losses."""
+    from pretrain.cli import resolve_config
+    from pretrain.runtime import shutdown
+    from pretrain.trainer import setup, train as train_loop
+
+    results = []
+    for job in jobs:
+        os.environ["MASTER_PORT"] = str(job["port"])
+        run = setup(resolve_config(job["recipe"], None, job["overrides"]))
+        try:
+            history = train_loop(run, run.start_step)
+            results.append([m.loss for m in history] if run.log_rank else None)
+        finally:
+            run.writer.close()
+            shutdown()
+    return results
+
+
+def first(results: list):
+    """The one non-None per-rank result (the reporting rank's)."""
+    found = [r for r in results if r is not None]
+    assert len(found) == 1, f"expected one reporting rank, got {len(found)}"
+    return found[0]
