@@ -30,6 +30,9 @@ TP2 = ["parallel.tensor_parallel=2"]
 SP = ["parallel.sequence_parallel=true"]
 CP2 = ["parallel.context_parallel=2"]
 EP2 = ["parallel.expert_parallel=2"]
+# tiny-moe (4 experts, top-2, aux loss) plus the optional parts: a shared expert and the
+# router z-loss, so one set of runs covers all of them.
+MOE = SEQ64 + ["model.moe_shared_expert_hidden_size=128", "model.moe_z_loss_coeff=0.001"]
 
 
 def _run(nproc: int, recipe: str, overrides: list[str], run_dir, **kwargs) -> list[dict]:
@@ -97,7 +100,7 @@ def test_context_parallel_matches_cp1(name, nproc, layout, dense_reference, tmp_
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory) -> dict:
-    ref = _log_rank(_run(1, "tiny-moe", SEQ64, tmp_path_factory.mktemp("ep1")))
+    ref = _log_rank(_run(1, "tiny-moe", MOE, tmp_path_factory.mktemp("ep1")))
     assert ref["losses"][-1] < ref["losses"][0]
     return ref
 
@@ -108,11 +111,14 @@ def moe_reference(tmp_path_factory) -> dict:
     ("EP2xTP2-SP", 4, EP2 + TP2 + SP),
 ])
 def test_expert_parallel_matches_ep1(name, nproc, layout, moe_reference, tmp_path):
-    got = _log_rank(_run(nproc, "tiny-moe", SEQ64 + layout, tmp_path))
+    got = _log_rank(_run(nproc, "tiny-moe", MOE + layout, tmp_path))
     _assert_close(name, got["losses"], moe_reference["losses"])
-    aux = got["moe_aux_losses"]
+    # Reported, and (being global means) the same at every layout.
+    aux, z = got["moe_aux_losses"], got["moe_z_losses"]
     assert all(a is not None and 0.5 < a < 4.0 for a in aux), f"aux loss not reported: {aux}"
+    assert all(v is not None and v > 0 for v in z), f"z-loss not reported: {z}"
     _assert_close(f"{name} aux loss", aux, moe_reference["moe_aux_losses"])
+    _assert_close(f"{name} z-loss", z, moe_reference["moe_z_losses"])
 
 
 @pytest.mark.distributed
@@ -120,8 +126,20 @@ def test_expert_parallel_matches_ep1(name, nproc, layout, moe_reference, tmp_pat
 def test_allgather_dispatcher_and_expert_tp1_match_ep1(moe_reference, tmp_path):
     """The other dispatcher, with expert TP 1 under TP2 (experts whole, attention split)."""
     layout = EP2 + TP2 + SP + ["parallel.moe_dispatcher=allgather", "parallel.expert_tensor_parallel=1"]
-    got = _log_rank(_run(4, "tiny-moe", SEQ64 + layout, tmp_path))
+    got = _log_rank(_run(4, "tiny-moe", MOE + layout, tmp_path))
     _assert_close("EP2xTP2xETP1 allgather", got["losses"], moe_reference["losses"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_token_dropping_at_capacity_matches_ep1(tmp_path):
+    """Capacity 1.0 drops tokens; each EP rank routes the same micro-batch as the single
+    rank does, so the same tokens are dropped (with TP or CP the router sees a shard and
+    capacity is per shard, so dropping is layout-dependent by design)."""
+    capacity = SEQ64 + ["model.moe_capacity_factor=1.0"]
+    want = logged_losses(_run(1, "tiny-moe", capacity, tmp_path / "ep1"))
+    got = logged_losses(_run(2, "tiny-moe", capacity + EP2, tmp_path / "ep2"))
+    _assert_close("EP2 capacity 1.0", got, want)
 
 
 @pytest.mark.distributed
@@ -129,10 +147,10 @@ def test_save_at_cp2_ep2_resume_at_cp1_ep1(moe_reference, tmp_path):
     """CP2 x EP2 (2 ranks: EP reuses the CP ranks) matches EP1; its step-3 checkpoint
     resumed on one rank continues on the same losses."""
     ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.save_interval=3"]
-    full = logged_losses(_run(2, "tiny-moe", SEQ64 + CP2 + EP2 + ckpt + ["checkpoint.resume=none"],
+    full = logged_losses(_run(2, "tiny-moe", MOE + CP2 + EP2 + ckpt + ["checkpoint.resume=none"],
                               tmp_path / "full"))
     _assert_close("CP2xEP2", full, moe_reference["losses"])
-    resumed = logged_losses(_run(1, "tiny-moe", SEQ64 + ckpt + ["checkpoint.resume=3"], tmp_path / "resumed"))
+    resumed = logged_losses(_run(1, "tiny-moe", MOE + ckpt + ["checkpoint.resume=3"], tmp_path / "resumed"))
     _assert_close("resumed at CP1xEP1", resumed, full[3:])
 
 
