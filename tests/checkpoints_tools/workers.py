@@ -52,7 +52,8 @@ def checkpoint_logits(checkpoint: str, layout: dict) -> list | None:
 
 
 def resume_jobs(jobs: list[dict]) -> list[list[float] | None]:
-    """Resume training ({recipe, overrides}) from checkpoints in turn; the logged losses."""
+    """Resume training ({recipe, config_file, overrides}) from checkpoints in turn; the
+    logging rank's losses per job."""
     from pretrain.cli import resolve_config
     from pretrain.runtime import shutdown
     from pretrain.trainer import setup, train as train_loop
@@ -60,7 +61,7 @@ def resume_jobs(jobs: list[dict]) -> list[list[float] | None]:
     results = []
     for job in jobs:
         os.environ["MASTER_PORT"] = str(job["port"])
-        run = setup(resolve_config(job["recipe"], None, job["overrides"]))
+        run = setup(resolve_config(job["recipe"], job.get("config_file"), job["overrides"]))
         try:
             history = train_loop(run, run.start_step)
             results.append([m.loss for m in history] if run.log_rank else None)
@@ -75,3 +76,10 @@ def first(results: list):
     found = [r for r in results if r is not None]
     assert len(found) == 1, f"expected one reporting rank, got {len(found)}"
     return found[0]
+
+
+def verify_imports(pairs: list[list[str]]) -> list[dict]:
+    """checkpoints_tools.verify for each (checkpoint, HF directory), in one process."""
+    from checkpoints_tools.verify import verify
+
+    return [verify(checkpoint, hf_dir) for checkpoint, hf_dir in pairs]

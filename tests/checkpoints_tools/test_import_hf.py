@@ -1,0 +1,81 @@
+"""import_hf: HF -> our checkpoint at TP2xPP2 -> export is bit-identical; our model loaded
+from an import computes the HF model's logits; pickles only when trusted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from checkpoints_tools.export_hf import export_hf
+from checkpoints_tools.import_hf import import_hf
+from checkpoints_tools.safetensors_io import HFWeights
+from models.layout import ParallelLayout
+from tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+TP2PP2 = ParallelLayout(tensor_parallel=2, pipeline_parallel=2)
+
+
+def tensors_of(directory) -> dict[str, torch.Tensor]:
+    weights = HFWeights(directory)
+    try:
+        return {name: weights.get(name).clone() for name in weights.names()}
+    finally:
+        weights.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "mistral", "mixtral"])
+def test_round_trip_is_bit_identical(hf_models, tmp_path, kind):
+    src = hf_models[kind]
+    # Megatron-Core's MoE layer needs sequence parallelism under TP.
+    layout = TP2PP2.model_copy(update={"expert_parallel": 2, "sequence_parallel": True}) if kind == "mixtral" else TP2PP2
+    imported = import_hf(src, tmp_path / "ckpt", layout=layout)
+    assert imported["layout"].startswith("TP2xPP2") and imported["tokenizer"].endswith("tokenizer.model")
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    assert meta["has_optimizer"] is False and meta["step"] == 0 and meta["model"]["vocab_size"] == 4000
+    config = yaml.safe_load((tmp_path / "ckpt" / "config.yaml").read_text())
+    assert config["data"]["tokenizer"] == str((tmp_path / "ckpt" / "tokenizer" / "tokenizer.model").absolute())
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    before, after = tensors_of(src), tensors_of(tmp_path / "out")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    old, new = (json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "out"))
+    head_dim = lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]  # noqa: E731
+    assert head_dim(new) == head_dim(old)
+    for key in ("architectures", "model_type", "vocab_size", "num_key_value_heads", "intermediate_size",
+                "tie_word_embeddings", "rms_norm_eps", "num_local_experts", "num_experts_per_tok", "sliding_window"):
+        assert new.get(key) == old.get(key), key
+    assert new["rope_parameters"]["rope_theta"] == old["rope_parameters"]["rope_theta"] == 50000.0
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+
+
+@pytest.mark.distributed
+def test_our_model_from_imports_matches_transformers(hf_models, tmp_path):
+    pairs = []
+    for kind, layout in [("llama-tied", TP2PP2), ("mixtral", ParallelLayout(expert_parallel=2))]:
+        import_hf(hf_models[kind], tmp_path / kind, layout=layout)
+        pairs.append([str(tmp_path / kind), str(hf_models[kind])])
+    reports = run_ranks(1, "tests.checkpoints_tools.workers:verify_imports", pairs=pairs)[0]
+    for (checkpoint, _), report in zip(pairs, reports):
+        assert report["passed"] and report["max_abs_diff"] <= 1e-4, (checkpoint, report)
+        assert report["greedy_agreement"] == 1.0
+
+
+def test_pickled_weights_need_trust(hf_models, tmp_path):
+    src = tmp_path / "pickled"
+    src.mkdir()
+    shutil.copyfile(hf_models["llama"] / "config.json", src / "config.json")
+    torch.save(tensors_of(hf_models["llama"]), src / "pytorch_model.bin")
+    with pytest.raises(Exception, match="pickle weights .* --trust-pickle"):
+        import_hf(src, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    import_hf(src, tmp_path / "trusted", trust_pickle=True)
+    import_hf(hf_models["llama"], tmp_path / "safe")
+    for a, b in zip(sorted((tmp_path / "trusted").glob("*.distcp")), sorted((tmp_path / "safe").glob("*.distcp"))):
+        assert a.read_bytes() == b.read_bytes()

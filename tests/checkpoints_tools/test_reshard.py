@@ -1,0 +1,83 @@
+"""reshard: TP2xPP2 -> TP1 -> TP4 keeps the logits; the trainer resumes every output."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from checkpoints_tools.common import DTYPES
+from checkpoints_tools.dcp_io import CheckpointReader
+from checkpoints_tools.import_hf import import_hf
+from checkpoints_tools.reshard import reshard
+from models.layout import ParallelLayout
+from tests.checkpoints_tools.conftest import BASE
+from tests.checkpoints_tools.workers import first
+from tests.distributed import free_port, run_ranks
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _chunks_per_layer(path, key: str) -> int:
+    md = CheckpointReader(path).metadata.state_dict_metadata[key]
+    return sum(1 for c in md.chunks if c.offsets[0] == 0)
+
+
+def test_chain_tp2pp2_to_tp1_to_tp4_keeps_logits(trained, tmp_path):
+    run = trained["tied"]  # 4 query groups: TP4 is a valid target
+    tp1, tp4 = tmp_path / "tp1", tmp_path / "tp4"
+    one = reshard(run.latest, tp1, layout=ParallelLayout())
+    four = reshard(tp1, tp4, layout=ParallelLayout(tensor_parallel=4), drop_optimizer=True)
+    assert (one["source_layout"], one["layout"], one["optimizer"]) == ("TP2xPP2xDP1", "TP1xPP1xDP1", True)
+    assert (four["layout"], four["optimizer"]) == ("TP4xPP1xDP1", False)
+    meta = json.loads((tp4 / "meta.json").read_text())
+    assert meta["layout"]["tensor_parallel"] == 4 and meta["has_optimizer"] is False and meta["step"] == 3
+    assert (tp4 / "COMPLETE").is_file() and not any(k.startswith("optimizer.") for k in CheckpointReader(tp4).tensor_keys())
+    # Cut for the target: per layer, 4 TP chunks of QKV, gate and up halves of fc1 each in 4.
+    assert _chunks_per_layer(tp4, "decoder.layers.self_attention.linear_qkv.weight") == 4
+    assert _chunks_per_layer(tp4, "decoder.layers.mlp.linear_fc1.weight") == 8
+    assert _chunks_per_layer(tp1, "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight") == 2
+    with ThreadPoolExecutor(2) as pool:  # both loads at once: most of each is process start-up
+        at_tp1 = pool.submit(run_ranks, 1, "tests.checkpoints_tools.workers:checkpoint_logits",
+                             checkpoint=str(tp1), layout={})
+        at_tp4 = pool.submit(run_ranks, 4, "tests.checkpoints_tools.workers:checkpoint_logits",
+                             checkpoint=str(tp4), layout={"tensor_parallel": 4})
+        logits = {"TP1": torch.tensor(first(at_tp1.result())), "TP4": torch.tensor(first(at_tp4.result()))}
+    for name, got in logits.items():
+        diff = (got - run.logits).abs().max().item()
+        assert diff <= 1e-6, f"{name}: max |logit difference| to the TP2xPP2 original {diff}"
+
+
+def _resume(recipe, overrides, checkpoint, tmp_path, tag, config_file=None) -> dict:
+    overrides = [*overrides, "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
+                 f"checkpoint.resume={checkpoint}", f"checkpoint.dir={tmp_path / tag}",
+                 f"logging.run_dir={tmp_path / (tag + '-run')}"]
+    return {"recipe": recipe, "overrides": overrides, "config_file": config_file, "port": free_port()}
+
+
+def test_trainer_resumes_resharded_and_imported_checkpoints(trained, hf_models, tmp_path):
+    """Step 3 from the step-2 checkpoint resharded to TP1 (with optimizer state, and as a
+    model-only copy) has the loss the TP2xPP2 run had at step 3: the forward
+    pass of step 3 sees the same weights and the same batch. An HF import continues too."""
+    run = trained["tied"]
+    step2 = run.root / "step_00000002"
+    with_optimizer, model_only = tmp_path / "full", tmp_path / "model-only"
+    reshard(step2, with_optimizer, layout=ParallelLayout())
+    reshard(step2, model_only, layout=ParallelLayout(), drop_optimizer=True, dtype=DTYPES["fp32"])
+    imported = tmp_path / "imported"
+    import_hf(hf_models["llama"], imported, layout=ParallelLayout(tensor_parallel=2))
+    jobs = [
+        _resume(run.recipe, run.overrides, with_optimizer, tmp_path, "a"),
+        _resume(run.recipe, run.overrides, model_only, tmp_path, "b"),
+        # The documented way to continue an import: its config.yaml (the model from
+        # config.json) over a recipe, plus data and schedule choices.
+        _resume("tiny-llama", BASE + ["schedule.train_steps=2", "data.tokenizer=null"], imported, tmp_path, "c",
+                config_file=str(imported / "config.yaml")),
+    ]
+    losses = run_ranks(1, "tests.checkpoints_tools.workers:resume_jobs", jobs=jobs)[0]
+    expected = run.losses[2]
+    assert losses[0] == pytest.approx([expected], rel=1e-5), "resume with optimizer state"
+    assert losses[1] == pytest.approx([expected], rel=1e-5), "resume model-only (fresh optimizer)"
+    assert len(losses[2]) == 2 and all(loss == loss and loss < 20 for loss in losses[2])
