@@ -54,7 +54,9 @@ def fetch_packages(packages: list[str], cache_dir: str = DEFAULT_CACHE) -> str:
             raise DebianTextUnavailable(f"apt-get download {package} failed ({done.stderr.strip()}); "
                                         "run 'apt-get update' once, or check the network")
         for deb in debs:
-            subprocess.run(["dpkg", "-x", deb, root], check=True)
+            unpacked = subprocess.run(["dpkg", "-x", deb, root], capture_output=True, text=True)
+            if unpacked.returncode != 0:
+                raise DebianTextUnavailable(f"dpkg -x {deb} failed: {unpacked.stderr.strip()}")
         open(marker, "w").close()
     return root
 
