@@ -191,9 +191,14 @@ def byte_progress(enabled: bool) -> Progress:
 
 
 def run_cli(main_body) -> int:
-    """Run a CLI body; ToolError / bad-input errors print `error: ...` and exit 2."""
+    """Run a CLI body; bad-input errors (ours and the format readers') print `error: ...`
+    and exit 2."""
+    from checkpoints_tools.dcp_io import CheckpointFormatError
+    from checkpoints_tools.hf_format import HFConfigError
+    from checkpoints_tools.safetensors_io import HFFormatError
+
     try:
         return main_body()
-    except ToolError as exc:
+    except (ToolError, CheckpointFormatError, HFConfigError, HFFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
