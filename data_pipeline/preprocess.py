@@ -286,6 +286,9 @@ def print_summary(console, summary: RunSummary) -> None:
             table.add_row(o.prefix, f"{o.documents:,}", f"{o.tokens:,}",
                           f"{o.text_bytes / 1e6:,.2f}", f"{sum(o.skipped.values()):,}")
     console.print(table)
+    if all(o.up_to_date for o in summary.outputs):
+        console.print("every output is up to date (made by this same command): nothing to do")
+        return
     documents, tokens, text = (summary.total(n) for n in ("documents", "tokens", "text_bytes"))
     console.print(f"{documents:,} documents, {tokens:,} tokens ({summary.dtype}), "
                   f"{text / 1e6:,.2f} MB of text in {summary.seconds:.1f} s: "
