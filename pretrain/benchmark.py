@@ -3,6 +3,10 @@
     # CPU, tiny-llama at TP2 x PP2 (4 gloo ranks), 3 repeats of 30 steps:
     python -m pretrain.benchmark --recipe tiny-llama --nproc 4 --steps 30 --repeats 3 \
         parallel.tensor_parallel=2 parallel.pipeline_parallel=2
+    # CPU, context parallelism: tiny-llama at seq 2048 (attention-dominated), CP2 vs CP1:
+    python -m pretrain.benchmark --recipe tiny-llama --nproc 2 --steps 6 --warmup 2 --repeats 2 \
+        parallel.context_parallel=2 model.max_seq_length=2048 schedule.seq_length=2048 \
+        schedule.micro_batch_size=1 schedule.global_batch_size=2 data.demo=false data.mock=true
     # GPU: a llama3-8b-shaped model cut to the layers that fit one H100, BF16, seq 4096:
     python -m pretrain.benchmark --recipe llama3-8b --nproc 1 --steps 30 \
         model.num_layers=4 parallel.tensor_parallel=1 parallel.sequence_parallel=false \

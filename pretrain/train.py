@@ -88,9 +88,11 @@ def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig
         data_iterator=its,
         model=state.model if len(state.model) > 1 else state.model[0],
         num_microbatches=num_microbatches,
-        seq_length=sched.seq_length // config.parallel.context_parallel,
+        # The full length: the schedules derive the pipeline message shape themselves
+        # (seq / CP, and / TP under sequence parallelism).
+        seq_length=sched.seq_length,
         micro_batch_size=sched.micro_batch_size,
-        decoder_seq_length=sched.seq_length // config.parallel.context_parallel,
+        decoder_seq_length=sched.seq_length,
         forward_only=forward_only,
     )
 

@@ -30,6 +30,10 @@ TP2 = ["parallel.tensor_parallel=2"]
 SP = ["parallel.sequence_parallel=true"]
 CP2 = ["parallel.context_parallel=2"]
 EP2 = ["parallel.expert_parallel=2"]
+# The tiny-gpt flavor's architecture through the tiny-llama recipe.
+GPT = ["model.normalization=LayerNorm", "model.activation=gelu", "model.position_embedding=learned_absolute",
+       "model.add_bias_linear=true", "model.add_qkv_bias=true", "model.tie_embeddings=true",
+       "model.num_attention_heads=4", "model.num_query_groups=null", "model.ffn_hidden_size=512"]
 # tiny-moe (4 experts, top-2, aux loss) plus the optional parts: a shared expert and the
 # router z-loss, so one set of runs covers all of them.
 MOE = SEQ64 + ["model.moe_shared_expert_hidden_size=128", "model.moe_z_loss_coeff=0.001"]
@@ -91,9 +95,25 @@ def test_cp_chunks_differ_in_content(tmp_path):
 @pytest.mark.parametrize("name, nproc, layout", [
     ("CP2", 2, CP2),
     ("CP2xTP2-SP", 4, CP2 + TP2 + SP),
+    # Pipeline messages carry seq / CP tokens (the schedule must get the full length).
+    pytest.param("CP2xPP2", 4, CP2 + ["parallel.pipeline_parallel=2"], marks=pytest.mark.slow),
+    pytest.param("CP2-recompute", 2, CP2 + ["runtime.recompute=selective"], marks=pytest.mark.slow),
 ])
 def test_context_parallel_matches_cp1(name, nproc, layout, dense_reference, tmp_path):
     _assert_close(name, logged_losses(_run(nproc, "tiny-llama", SEQ128 + layout, tmp_path)), dense_reference)
+
+
+@pytest.mark.distributed
+def test_gpt_layernorm_learned_positions_cp2_tp2_sp(tmp_path):
+    """tiny-gpt: LayerNorm (weight and bias) under SP, learned absolute positions (sliced
+    with the CP split of position_ids, not by RoPE), tied embeddings, biases."""
+    want = logged_losses(_run(1, "tiny-llama", GPT + SEQ128, tmp_path / "ref"))
+    got = _run(4, "tiny-llama", GPT + SEQ128 + CP2 + TP2 + SP, tmp_path / "cp2tp2", report_norms=True)
+    _assert_close("tiny-gpt CP2xTP2-SP", logged_losses(got), want)
+    # Ranks 0 and 1 are the TP group of CP rank 0 (TP is innermost); all four hold the
+    # same norm parameters (CP ranks are data-parallel replicas for the weights).
+    assert any(name.endswith("bias") for name in got[0]["norms"])
+    assert got[0]["norms"] == got[1]["norms"] == got[2]["norms"] == got[3]["norms"]
 
 
 # --- mixture of experts / expert parallelism -----------------------------------------------
@@ -109,6 +129,7 @@ def moe_reference(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name, nproc, layout", [
     ("EP2", 2, EP2),
     ("EP2xTP2-SP", 4, EP2 + TP2 + SP),
+    pytest.param("EP2xPP2", 4, EP2 + ["parallel.pipeline_parallel=2"], marks=pytest.mark.slow),
 ])
 def test_expert_parallel_matches_ep1(name, nproc, layout, moe_reference, tmp_path):
     got = _log_rank(_run(nproc, "tiny-moe", MOE + layout, tmp_path))
