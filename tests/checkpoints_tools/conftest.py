@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import free_port, run_ranks
+from tests.distributed import run_ranks
 
 BASE = [
     "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "schedule.seq_length=64",
@@ -57,8 +57,8 @@ def trained(tmp_path_factory) -> dict[str, Trained]:
     jobs = []
     for name, (recipe, extra) in MODELS.items():
         overrides = BASE + extra + [f"checkpoint.dir={base / name}", f"logging.run_dir={base / name}-run"]
-        jobs.append({"recipe": recipe, "overrides": overrides, "port": free_port()})
-    per_rank = run_ranks(4, "tests.checkpoints_tools.workers:train_jobs", jobs=jobs)
+        jobs.append({"recipe": recipe, "overrides": overrides})
+    per_rank = run_ranks(4, "tests.checkpoints_tools.workers:train_jobs", jobs=jobs, rendezvous=str(base))
     out = {}
     for i, name in enumerate(MODELS):
         report = next(rank[i] for rank in per_rank if rank[i]["logits"] is not None)

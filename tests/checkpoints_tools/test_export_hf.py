@@ -77,6 +77,27 @@ def test_tokenizer_ships_with_the_right_ids(trained, tmp_path):
     assert tokenizer(text)["input_ids"] == [sp.bos_id()] + sp.encode(text)
 
 
+def test_tokenizer_json_ships_with_its_special_ids(trained, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<|begin|>", "<|end|>"] + [f"w{i}" for i in range(100)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|begin|>", "<|end|>"])
+    source = tmp_path / "tok"
+    source.mkdir()
+    tok.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin|>", "eos_token": "<|end|>"}))
+    out = tmp_path / "hf"
+    export_hf(trained["untied"].latest, out, tokenizer=source)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (1, 2)
+    assert loaded("w5 w7", add_special_tokens=False)["input_ids"] == [8, 10]
+
+
 def test_bf16_export_in_small_shards_equals_cast_fp32_export(trained, tmp_path):
     run = trained["untied"]
     full = read_export_of(run, tmp_path / "fp32", dtype=None, shard=None)
@@ -96,9 +117,10 @@ def read_export_of(run, out, *, dtype, shard):
     return read_export(out)
 
 
-def _verify_cli(checkpoint, hf_dir) -> subprocess.Popen:
+def _verify_cli(checkpoint, hf_dir, *extra) -> subprocess.Popen:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return subprocess.Popen([sys.executable, "-m", "checkpoints_tools.verify", str(checkpoint), str(hf_dir), "--json"],
+    return subprocess.Popen([sys.executable, "-m", "checkpoints_tools.verify", str(checkpoint), str(hf_dir), "--json",
+                             *extra],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -116,7 +138,8 @@ def test_verify_passes_export_and_catches_swapped_kv(trained, tmp_path):
     from safetensors.torch import save_file
 
     save_file(weights, str(shard), metadata={"format": "pt"})
-    procs = {"good": _verify_cli(run.latest, good), "bad": _verify_cli(run.latest, bad)}
+    text = "In the beginning God created the heaven and the earth. " * 3  # through the shipped tokenizer
+    procs = {"good": _verify_cli(run.latest, good, "--text", text), "bad": _verify_cli(run.latest, bad)}
     results = {name: (p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for name, p in procs.items()}
     code, out, err = results["good"]
     assert code == 0, err[-3000:]

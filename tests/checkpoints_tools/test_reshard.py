@@ -15,7 +15,7 @@ from checkpoints_tools.reshard import reshard
 from models.layout import ParallelLayout
 from tests.checkpoints_tools.conftest import BASE
 from tests.checkpoints_tools.workers import first
-from tests.distributed import free_port, run_ranks
+from tests.distributed import run_ranks
 
 pytestmark = [pytest.mark.distributed]
 
@@ -54,7 +54,7 @@ def _resume(recipe, overrides, checkpoint, tmp_path, tag, config_file=None) -> d
     overrides = [*overrides, "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
                  f"checkpoint.resume={checkpoint}", f"checkpoint.dir={tmp_path / tag}",
                  f"logging.run_dir={tmp_path / (tag + '-run')}"]
-    return {"recipe": recipe, "overrides": overrides, "config_file": config_file, "port": free_port()}
+    return {"recipe": recipe, "overrides": overrides, "config_file": config_file}
 
 
 def test_trainer_resumes_resharded_and_imported_checkpoints(trained, hf_models, tmp_path):
@@ -76,7 +76,7 @@ def test_trainer_resumes_resharded_and_imported_checkpoints(trained, hf_models, 
         _resume("tiny-llama", BASE + ["schedule.train_steps=2", "data.tokenizer=null"], imported, tmp_path, "c",
                 config_file=str(imported / "config.yaml")),
     ]
-    losses = run_ranks(1, "tests.checkpoints_tools.workers:resume_jobs", jobs=jobs)[0]
+    losses = run_ranks(1, "tests.checkpoints_tools.workers:resume_jobs", jobs=jobs, rendezvous=str(tmp_path))[0]
     expected = run.losses[2]
     assert losses[0] == pytest.approx([expected], rel=1e-5), "resume with optimizer state"
     assert losses[1] == pytest.approx([expected], rel=1e-5), "resume model-only (fresh optimizer)"

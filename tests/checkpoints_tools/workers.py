@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -14,7 +15,30 @@ def tokens(vocab_size: int, batch: int = 2, seq: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(SEED_TOKENS))
 
 
-def train_jobs(jobs: list[dict]) -> list[dict]:
+def _fresh_port(rendezvous: str, job: int) -> None:
+    """Point MASTER_PORT at a port rank 0 picked just now for this job.
+
+    Re-creating the store on the port of the job just shut down hangs, and a port picked
+    by the parent long before its job starts may be taken by then (other tests run
+    beside these); rank 0 picks one right before binding it and publishes it in a file.
+    """
+    path = os.path.join(rendezvous, f"port-{job}")
+    if os.environ["RANK"] == "0":
+        from tests.distributed import free_port
+
+        with open(path + ".tmp", "w") as f:
+            f.write(str(free_port()))
+        os.replace(path + ".tmp", path)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no port for job {job}")
+        time.sleep(0.05)
+    with open(path) as f:
+        os.environ["MASTER_PORT"] = f.read()
+
+
+def train_jobs(jobs: list[dict], rendezvous: str) -> list[dict]:
     """Train each job ({recipe, overrides}) in turn in these ranks (one process start for
     several models); after each, the trained in-memory model's logits on `tokens`."""
     from checkpoints_tools.verify import forward_logits
@@ -23,9 +47,8 @@ def train_jobs(jobs: list[dict]) -> list[dict]:
     from pretrain.trainer import setup, train as train_loop
 
     results = []
-    for job in jobs:
-        # A fresh rendezvous per job: re-creating the store on the port just closed hangs.
-        os.environ["MASTER_PORT"] = str(job["port"])
+    for index, job in enumerate(jobs):
+        _fresh_port(rendezvous, index)
         config = resolve_config(job["recipe"], None, job["overrides"])
         run = setup(config)
         try:
@@ -51,7 +74,7 @@ def checkpoint_logits(checkpoint: str, layout: dict) -> list | None:
     return logits.tolist() if logits is not None else None
 
 
-def resume_jobs(jobs: list[dict]) -> list[list[float] | None]:
+def resume_jobs(jobs: list[dict], rendezvous: str) -> list[list[float] | None]:
     """Resume training ({recipe, config_file, overrides}) from checkpoints in turn; the
     logging rank's losses per job."""
     from pretrain.cli import resolve_config
@@ -59,8 +82,8 @@ def resume_jobs(jobs: list[dict]) -> list[list[float] | None]:
     from pretrain.trainer import setup, train as train_loop
 
     results = []
-    for job in jobs:
-        os.environ["MASTER_PORT"] = str(job["port"])
+    for index, job in enumerate(jobs):
+        _fresh_port(rendezvous, index)
         run = setup(resolve_config(job["recipe"], job.get("config_file"), job["overrides"]))
         try:
             history = train_loop(run, run.start_step)
