@@ -111,7 +111,8 @@ def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -
     # EP x TP x CP x PP may exceed the world size; ETP x EP x PP must divide it.
     if world_size % (etp * ep * layout.pipeline_parallel):
         per_stage = world_size // layout.pipeline_parallel
-        valid = [d for d in divisors(per_stage // etp)] if per_stage % etp == 0 else []
+        fits = divisors(per_stage // etp) if per_stage % etp == 0 else []
+        valid = [d for d in fits if model.num_experts % d == 0]
         raise LayoutError(
             f"world size {world_size} is not divisible by expert TP({etp}) x EP({ep}) x "
             f"PP({layout.pipeline_parallel}) = {etp * ep * layout.pipeline_parallel}; "
