@@ -16,6 +16,7 @@ see ../shared/notes/megatron-checkpoint-layout.md):
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -24,7 +25,10 @@ from models.config import ModelConfig
 
 LAYERS = "decoder.layers."
 EXPERTS = "decoder.layers.mlp.experts.experts."
-OPTIMIZER_PREFIX = "optimizer.state."
+# Optimizer state keys: `optimizer.state.<exp_avg|exp_avg_sq|param>.<model key>`, with a
+# `chained_<i>.` prefix when Megatron-Core chains optimizers (dense + expert params, MoE).
+_OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+_OPTIMIZER_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.[^.]+\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,19 +121,21 @@ def check_hf_compatible(model: ModelConfig) -> None:
                          + ". Export/import supports RMSNorm + SwiGLU + RoPE decoders without biases")
 
 
-def stacked_axes(key: str) -> int:
-    """Leading axes of a torch_dist key that index layers (1) and experts (2), else 0."""
-    key = key[len(OPTIMIZER_PREFIX):].split(".", 1)[1] if key.startswith(OPTIMIZER_PREFIX) else key
-    if key.startswith(EXPERTS):
-        return 2
-    return 1 if key.startswith(LAYERS) else 0
+def is_optimizer_key(key: str) -> bool:
+    return bool(_OPTIMIZER_KEY.match(key))
 
 
 def model_key(key: str) -> str:
-    """`optimizer.state.exp_avg.<model key>` -> `<model key>` (model keys unchanged)."""
-    if key.startswith(OPTIMIZER_PREFIX):
-        return key[len(OPTIMIZER_PREFIX):].split(".", 1)[1]
-    return key
+    """`[chained_0.]optimizer.state.exp_avg.<model key>` -> `<model key>`; model keys unchanged."""
+    return _OPTIMIZER_STATE.sub("", key, count=1)
+
+
+def stacked_axes(key: str) -> int:
+    """Leading axes of a torch_dist key that index layers (1) and experts (2), else 0."""
+    key = model_key(key)
+    if key.startswith(EXPERTS):
+        return 2
+    return 1 if key.startswith(LAYERS) else 0
 
 
 def hf_name(pattern: str, layer: Optional[int] = None, expert: Optional[int] = None) -> str:

@@ -44,7 +44,7 @@ from checkpoints_tools.common import (
     write_training_meta,
 )
 from checkpoints_tools.dcp_io import CheckpointReader, layout_chunks, read_common, write_checkpoint
-from checkpoints_tools.mapping import OPTIMIZER_PREFIX, stacked_axes
+from checkpoints_tools.mapping import is_optimizer_key, stacked_axes
 from models.layout import ParallelLayout
 from pretrain.checkpoint import has_optimizer_state
 
@@ -86,17 +86,18 @@ def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optiona
     meta, model = checkpoint_model(src)
     world = check_layout(model, layout, world_size)
     reader = CheckpointReader(src)
-    has_optimizer = has_optimizer_state(meta) and any(k.startswith(OPTIMIZER_PREFIX) for k in reader.tensor_keys())
+    has_optimizer = has_optimizer_state(meta) and any(is_optimizer_key(k) for k in reader.tensor_keys())
     keep_optimizer = has_optimizer and not drop_optimizer
     tensors = {}
     for key in reader.tensor_keys():
-        is_optimizer = key.startswith(OPTIMIZER_PREFIX)
+        is_optimizer = is_optimizer_key(key)
         if is_optimizer and not keep_optimizer:
             continue
         shape = reader.shape(key)
         out_dtype = dtype if dtype is not None and not is_optimizer else reader.dtype(key)
         tensors[key] = (shape, out_dtype, layout_chunks(key, shape, layout, model.gated))
-    objects = {key: reader.read_object(key) for key in reader.object_keys()}
+    objects = {key: reader.read_object(key) for key in reader.object_keys()
+               if keep_optimizer or not is_optimizer_key(key)}
     common = read_common(src)
     if not keep_optimizer:
         common.pop("optimizer", None)
@@ -118,7 +119,9 @@ def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optiona
             out, model=model, layout=layout, world_size=world, step=int(meta["step"]),
             consumed_samples=int(meta.get("consumed_samples", 0)), has_optimizer=keep_optimizer,
             config=read_experiment_config(src, model),
-            provenance={"tool": "checkpoints_tools.reshard", "source": str(src.resolve()),
+            # An imported model keeps what its export needs (HF architecture, BOS/EOS ids).
+            provenance={**{k: v for k, v in (meta.get("converted_by") or {}).items() if k.startswith("hf_")},
+                        "tool": "checkpoints_tools.reshard", "source": str(src.resolve()),
                         "source_layout": meta.get("layout_name"),
                         "dtype": DTYPE_NAMES.get(dtype) if dtype else "unchanged"},
         )

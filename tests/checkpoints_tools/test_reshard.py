@@ -81,3 +81,26 @@ def test_trainer_resumes_resharded_and_imported_checkpoints(trained, hf_models, 
     assert losses[0] == pytest.approx([expected], rel=1e-5), "resume with optimizer state"
     assert losses[1] == pytest.approx([expected], rel=1e-5), "resume model-only (fresh optimizer)"
     assert len(losses[2]) == 2 and all(loss == loss and loss < 20 for loss in losses[2])
+
+
+def test_moe_ep2_to_ep1_keeps_experts_and_optimizer_state(trained, tmp_path):
+    """MoE: the chained (dense + expert) optimizer state is kept, or dropped, as a whole;
+    a dtype cast touches the weights, never the fp32 optimizer state."""
+    run = trained["moe"]
+    full, serving = tmp_path / "full", tmp_path / "serving"
+    assert reshard(run.latest, full, layout=ParallelLayout(), dtype=DTYPES["bf16"])["optimizer"]
+    assert not reshard(run.latest, serving, layout=ParallelLayout(), drop_optimizer=True)["optimizer"]
+    source, kept, dropped = (CheckpointReader(p) for p in (run.latest, full, serving))
+    optimizer = [k for k in source.tensor_keys() if k.startswith("chained_")]
+    assert any(k.startswith("chained_1.") and ".experts." in k for k in optimizer)
+    assert set(kept.tensor_keys()) == set(source.tensor_keys())
+    assert set(dropped.tensor_keys()) == set(source.tensor_keys()) - set(optimizer)
+    assert all(kept.dtype(k) == torch.float32 for k in optimizer)
+    assert kept.dtype("decoder.layers.mlp.experts.experts.linear_fc1.weight") == torch.bfloat16
+    # Every expert's weights moved unchanged from the EP2 layout.
+    for key in ("decoder.layers.mlp.experts.experts.linear_fc2.weight", "decoder.layers.mlp.router.weight"):
+        assert torch.equal(source.read(key, (3,)), dropped.read(key, (3,)))
+    got = torch.tensor(first(run_ranks(1, "tests.checkpoints_tools.workers:checkpoint_logits",
+                                       checkpoint=str(serving), layout={})))
+    diff = (got - run.logits).abs().max().item()
+    assert diff <= 1e-6, f"EP1 logits differ from the TP2xEP2 original by {diff}"
