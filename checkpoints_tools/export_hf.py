@@ -12,7 +12,8 @@ model.safetensors.index.json, and the tokenizer files (tokenizer.model + config 
 SentencePiece, or tokenizer.json) with the BOS/EOS ids in both configs. Padded vocab rows
 are dropped; with tied embeddings there is no lm_head (tie_word_embeddings=true).
 The tokenizer is taken from --tokenizer, else from the checkpoint's `tokenizer/` folder
-(written by import_hf), else from its config.yaml `data.tokenizer`.
+(written by import_hf), else from its config.yaml (`data.tokenizer`, or the demo
+corpus' SentencePiece model for `data.demo=true`).
 Conversion goes layer by layer and tensor by tensor; shards are streamed to disk.
 """
 
@@ -61,6 +62,7 @@ from checkpoints_tools.safetensors_io import plan_shards, write_index, write_saf
 from models.config import ModelConfig
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
+DEMO_TOKENIZER = Path(__file__).resolve().parents[1] / "data_pipeline" / "assets" / "demo_sp.model"
 
 
 def hf_entries(model: ModelConfig, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype, tuple]]:
@@ -124,7 +126,12 @@ def _tokenizer_source(src: Path, tokenizer: Optional[Path], model: ModelConfig) 
         return found
     if (src / "tokenizer").is_dir():
         return find_tokenizer(str(src / "tokenizer"))
-    return find_tokenizer(read_experiment_config(src, model).data.tokenizer)
+    data = read_experiment_config(src, model).data
+    if data.demo and not data.tokenizer:
+        # data.demo=true trains on the shipped corpus with data_pipeline.datasets.DEMO_TOKENIZER
+        # (named by path: DESIGN keeps checkpoints_tools from importing data_pipeline).
+        return find_tokenizer(str(DEMO_TOKENIZER))
+    return find_tokenizer(data.tokenizer)
 
 
 def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None,
