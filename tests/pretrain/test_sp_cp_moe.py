@@ -48,6 +48,8 @@ def _assert_close(name: str, got: list[float], want: list[float]) -> None:
     assert len(got) == len(want), f"{name}: {len(got)} steps vs {len(want)}"
     for step, (a, b) in enumerate(zip(got, want), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs reference {b}"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    print(f"\n{name}: {len(got)} steps, max relative difference {worst:.1e}")  # shown with -s
 
 
 def _log_rank(results: list[dict]) -> dict:
