@@ -127,6 +127,12 @@ def make_tokens(hf_dir: Path, vocab_size: int, *, text: Optional[str], batch: in
     return torch.tensor([ids])
 
 
+def _check_length(tokens: torch.Tensor, max_length: int) -> None:
+    if tokens.shape[1] > max_length:
+        raise ToolError(f"{tokens.shape[1]} tokens exceed the model's max_seq_length {max_length}; "
+                        "use a shorter --text or --seq")
+
+
 def verify(checkpoint: Path, hf_dir: Path, *, tolerance: float = 1e-4, min_agreement: float = 1.0,
            text: Optional[str] = None, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
     """Compare logits; the report's `passed` says whether both thresholds hold."""
@@ -134,9 +140,8 @@ def verify(checkpoint: Path, hf_dir: Path, *, tolerance: float = 1e-4, min_agree
     _, model = checkpoint_model(checkpoint)
     if not (Path(hf_dir) / "config.json").is_file():
         raise ToolError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
-    if seq > model.max_seq_length:
-        raise ToolError(f"--seq {seq} exceeds the model's max_seq_length {model.max_seq_length}")
     tokens = make_tokens(Path(hf_dir), model.vocab_size, text=text, batch=batch, seq=seq, seed=seed)
+    _check_length(tokens, model.max_seq_length)
     theirs = hf_logits(Path(hf_dir), tokens)
     ours = model_logits(checkpoint, tokens, seed=seed)
     report = compare(ours, theirs, model.vocab_size)

@@ -74,15 +74,18 @@ def _save_hf(path: Path, kind: str) -> Path:
     torch.manual_seed({"llama": 1, "llama-tied": 2, "mistral": 3, "mixtral": 4}[kind])
     common = dict(vocab_size=4000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-                  rope_theta=50000.0)
+                  rope_theta=50000.0, initializer_range=0.1)  # larger weights: logits react to RoPE
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+    elif kind == "llama-tied":  # also Llama-3.1 RoPE scaling (it changes low frequencies here)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **common, tie_word_embeddings=kind == "llama-tied"))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.save_pretrained(path)
     # The demo SentencePiece tokenizer (4000 ids) as an HF Llama tokenizer.
     (path / "tokenizer.model").write_bytes(SP_MODEL.read_bytes())

@@ -51,7 +51,8 @@ def test_round_trip_is_bit_identical(hf_models, tmp_path, kind):
     for key in ("architectures", "model_type", "vocab_size", "num_key_value_heads", "intermediate_size",
                 "tie_word_embeddings", "rms_norm_eps", "num_local_experts", "num_experts_per_tok", "sliding_window"):
         assert new.get(key) == old.get(key), key
-    assert new["rope_parameters"]["rope_theta"] == old["rope_parameters"]["rope_theta"] == 50000.0
+    assert new["rope_parameters"] == old["rope_parameters"] and old["rope_parameters"]["rope_theta"] == 50000.0
+    assert (old["rope_parameters"]["rope_type"] == "llama3") == (kind == "llama-tied")
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
 
 
