@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
@@ -50,24 +52,31 @@ from pretrain.checkpoint import has_optimizer_state
 
 
 class LayerCache:
-    """Serves chunks of one stacked tensor from the last (key, layer[, expert]) read.
+    """Serves chunks of stacked tensors from the last few (key, layer[, expert]) reads.
 
-    Output chunks come in plan order (all TP chunks of a layer in a row), so each source
-    layer is read once whatever the source and target TP; memory holds one layer of one
-    key (or one unstacked tensor such as the embedding).
+    The writer asks for chunks in plan order (all TP chunks of a layer together), so each
+    source layer is read once whatever the source and target TP. Memory: `capacity`
+    layers of one key (or unstacked tensors such as the embedding). Thread-safe for
+    several writer threads: reads are serialized, narrowing happens outside the lock.
     """
 
-    def __init__(self, load):
+    def __init__(self, load, capacity: int = 1):
         self.load = load  # (key, index) -> tensor[index]
-        self.where, self.tensor = None, None
+        self.capacity = capacity
+        self.entries: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
 
     def chunk(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
         lead = stacked_axes(key)
         where = (key, tuple(offsets[:lead]))
-        if where != self.where:
-            self.where, self.tensor = None, None  # drop the old layer before reading the next
-            self.tensor, self.where = self.load(*where), where
-        view = self.tensor
+        with self.lock:
+            if where in self.entries:
+                self.entries.move_to_end(where)
+            else:
+                while len(self.entries) >= self.capacity:
+                    self.entries.popitem(last=False)  # drop before reading: bounded memory
+                self.entries[where] = self.load(*where)
+            view = self.entries[where]
         for dim, (start, length) in enumerate(zip(offsets[lead:], sizes[lead:])):
             view = view.narrow(dim, start, length)
         return view.reshape(sizes)
