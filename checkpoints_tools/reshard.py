@@ -1,11 +1,12 @@
 """Reshard a training checkpoint to another parallel layout, offline, in one process.
 
-    # TP2 x PP2 training checkpoint -> TP4 serving copy without optimizer state, in bf16:
-    python -m checkpoints_tools.reshard runs/tiny/checkpoints runs/tiny/tp4 --tp 4 \
+    # TP2 x PP2 training checkpoint -> TP1 serving copy without optimizer state, in bf16:
+    python -m checkpoints_tools.reshard runs/tiny/checkpoints runs/tiny/tp1 --tp 1 \
         --drop-optimizer --dtype bf16
-    # then resume training at the new layout (4 ranks):
-    torchrun --nproc-per-node 4 -m pretrain --recipe tiny-llama parallel.tensor_parallel=4 \
-        checkpoint.resume=runs/tiny/tp4 checkpoint.dir=runs/tiny/checkpoints-tp4
+    # TP2 x PP2 -> PP2 x VPP2 keeping the optimizer state, then resume there (2 ranks):
+    python -m checkpoints_tools.reshard runs/tiny/checkpoints runs/tiny/pp2vpp2 --pp 2 --vpp 2
+    python -m launch.local --recipe tiny-llama --nproc 2 parallel.pipeline_parallel=2 \
+        parallel.virtual_pipeline=2 checkpoint.resume=runs/tiny/pp2vpp2 checkpoint.dir=runs/tiny/ckpt-vpp
 
 Our torch_dist checkpoints hold global tensors, so any layout can load any checkpoint;
 resharding rewrites the shards cut for the target layout (one chunk per layer and TP
