@@ -197,6 +197,11 @@ def test_tokenizer_failure_names_the_record(tmp_path, monkeypatch):
         return real(self, text)
 
     monkeypatch.setattr(ByteTokenizer, "encode_array", fragile)  # inherited by forked workers
+    # Only a forked worker inherits the patch; preprocess would spawn instead when earlier
+    # tests left threads in this process (it happened in full-suite runs).
+    from data_pipeline import workers
+
+    monkeypatch.setattr(workers, "default_start_method", lambda: "fork")
     path = bad_file(tmp_path, json.dumps({"text": "boom"}).encode())
     with pytest.raises(PreprocessError, match=r"input.jsonl: line 3: the tokenizer failed: "
                                               r"ValueError: cannot encode this"):
