@@ -35,10 +35,10 @@ from checkpoints_tools.common import (
     add_layout_arguments,
     byte_progress,
     check_layout,
+    layout_from_args,
     parse_dtype,
     run_cli,
     staged_output,
-    target_layout,
     write_training_meta,
 )
 from checkpoints_tools.dcp_io import layout_chunks, write_checkpoint
@@ -179,9 +179,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def body() -> int:
         _, model = read_hf_config(args.src, args.vocab_multiple)
-        layout, world = target_layout(model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
-                                      etp=args.etp, sequence_parallel=args.sequence_parallel,
-                                      world_size=args.world_size)
+        layout, world = layout_from_args(model, args)
         summary = import_hf(args.src, args.dst, layout=layout, world_size=world, dtype=parse_dtype(args.dtype),
                             trust_pickle=args.trust_pickle, vocab_multiple=args.vocab_multiple,
                             overwrite=args.overwrite, progress=not args.no_progress)
