@@ -11,7 +11,7 @@ import dataclasses
 import math
 import time
 from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -175,5 +175,3 @@ def evaluate(state: TrainingState, iterators: list, config: ExperimentConfig,
 def is_finite(value: Optional[float]) -> bool:
     return value is None or math.isfinite(value)
 
-
-LogFn = Callable[[int, StepResult, float], None]
