@@ -45,3 +45,50 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False) -> dict
 def logged_losses(results: list[dict]) -> list[float]:
     """The losses reported by the logging rank (every rank computes the same global value)."""
     return next(r["losses"] for r in results if r["log_rank"])
+
+
+def optimizer_state_vs_megatron(recipe: str, overrides: list[str]) -> dict:
+    """Train, then build the optimizer's save-time sharded state twice: with Megatron's own
+    `fully_reshardable` code and with pretrain/optimizer_state.py. Returns, for this rank,
+    how many state tensors each produced and which differ in metadata or values."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    from pretrain import checkpoint, optimizer_state
+    from pretrain.cli import resolve_config
+    from pretrain.runtime import shutdown
+    from pretrain.trainer import setup, train as train_loop
+
+    def tensors(state) -> dict:
+        state = extract_sharded_tensors_and_factories(state or {})[0]
+        apply_factories(state)  # SwiGLU fc1: into its gate and up ShardedTensors
+        found = nested_values(state)
+        return {(sh.key, tuple(sh.global_offset)): sh for sh in found}
+
+    run = setup(resolve_config(recipe, None, overrides))
+    try:
+        train_loop(run, run.start_step)
+        model_sd = {f"model{i}" if len(run.state.model) > 1 else "model": c.module.sharded_state_dict()
+                    for i, c in enumerate(run.state.model)}
+        meta = checkpoint.OPTIM_METADATA
+        theirs = tensors(run.state.optimizer.sharded_state_dict(model_sd, metadata=meta))
+        optimizer_state.install(run.state.optimizer)
+        ours = tensors(run.state.optimizer.sharded_state_dict(model_sd, metadata=meta))
+        ours = {k: v for k, v in ours.items() if "optimizer.state." in k[0]}
+        theirs_main = {k: v for k, v in theirs.items() if "optimizer.state." in k[0]}
+        differ = []
+        for key, sh in ours.items():
+            ref = theirs_main.get(key)
+            same = ref is not None and type(ref) is type(sh) and ref.replica_id == sh.replica_id \
+                and tuple(ref.data.shape) == tuple(sh.data.shape) and bool((ref.data == sh.data).all())
+            if not same:
+                differ.append(f"{key[0]}@{key[1]}")
+        zero = sorted(f"{k[0]}@{k[1]}" for k, sh in ours.items() if not bool(sh.data.any()))
+        from megatron.core import parallel_state
+
+        return {"ours": len(ours), "theirs": len(theirs_main), "differ": differ, "zero": zero,
+                "dp_rank": parallel_state.get_data_parallel_rank(with_context_parallel=True)}
+    finally:
+        run.writer.close()
+        shutdown()
