@@ -1,0 +1,82 @@
+"""The async checkpoint writer's parts on their own: staging memory and the writer process.
+(End to end, async saves are checked by exact resume in test_checkpoint.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+from pretrain.async_writer import StagingPool, WriterCaller, WriterError
+
+
+def test_staging_reuses_one_shared_buffer_per_chunk():
+    pool = StagingPool()
+    source = torch.arange(12, dtype=torch.float32).view(3, 4)
+    first = pool.stage(("w", (0, 0)), source[1:])  # a view, as DDP parameters are
+    assert first.is_shared() and torch.equal(first, source[1:])
+    # its own storage: dist_checkpointing's writer does not clone it again
+    assert first.untyped_storage().nbytes() == first.numel() * first.element_size()
+    source.add_(100)
+    again = pool.stage(("w", (0, 0)), source[1:])
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, source[1:])
+    assert pool.nbytes == 8 * 4
+
+
+def test_room_for_counts_main_replicas_beyond_what_is_staged(monkeypatch):
+    pool = StagingPool()
+    main = ShardedTensor.from_rank_offsets("a", torch.zeros(1000), replica_id=0)
+    replica = ShardedTensor.from_rank_offsets("b", torch.zeros(5000), replica_id=1)  # not written here
+    monkeypatch.setattr(pool, "shm_free", lambda: (64 << 20) + 4000)
+    assert pool.room_for({"a": main, "b": replica}) == (True, 4000)
+    monkeypatch.setattr(pool, "shm_free", lambda: (64 << 20) + 3999)
+    assert pool.room_for({"a": main, "b": replica}) == (False, 4000)
+
+
+def _write(path: str, text: str) -> None:
+    Path(path).write_text(text)
+
+
+def _fail(message: str) -> None:
+    raise OSError(message)
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _request(fn, *args, call_idx=0) -> AsyncRequest:
+    return AsyncRequest(fn, args, [], call_idx=call_idx)
+
+
+def test_writer_runs_requests_in_order_and_reports_failures(tmp_path):
+    caller = WriterCaller()
+    try:
+        caller.schedule_async_call(_request(_write, str(tmp_path / "a"), "one", call_idx=0))
+        assert caller.is_current_async_call_done(blocking=True, no_dist=True)
+        assert (tmp_path / "a").read_text() == "one"
+        caller.schedule_async_call(_request(_fail, "disk full", call_idx=1))
+        with pytest.raises(WriterError, match="OSError: disk full"):
+            caller.is_current_async_call_done(blocking=True, no_dist=True)
+    finally:
+        caller.close()
+    assert caller.process is None
+
+
+def test_a_dead_writer_is_an_error_not_a_hang():
+    caller = WriterCaller()
+    try:
+        caller.schedule_async_call(_request(_sleep, 60.0))
+        assert not caller.is_current_async_call_done(blocking=False, no_dist=True)
+        os.kill(caller.process.pid, signal.SIGKILL)
+        with pytest.raises(WriterError, match="writer process died"):
+            caller.is_current_async_call_done(blocking=True, no_dist=True)
+    finally:
+        caller.close()
