@@ -9,7 +9,7 @@ Steps, each in a fresh process (peak RSS is the process's own high-water mark):
   1. build the model on one rank and save it as a model-only torch_dist checkpoint (S bytes);
   2. copy: the checkpoint's files copied and fsynced on the same disk: the bound;
   3. reshard to TP2 (same dtype), 4. export to HF safetensors (same dtype).
-Reported: GB/s (decimal GB of tensor bytes written per second), the fraction of copy
+Steps 2-4 run --repeats times, interleaved; medians are reported. Reported: GB/s (decimal GB of tensor bytes written per second), the fraction of copy
 speed, peak RSS and peak RSS over the process's baseline after imports, as a fraction of S.
 Outputs are deleted after each step, so the disk holds at most two copies of S.
 """
@@ -116,22 +116,31 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def run(layers: int, hidden: int, ffn: int, workdir: Optional[Path]) -> dict:
+def _median_row(runs: list[dict]) -> dict:
+    """The run with the median time (so its bytes and RSS belong to it), plus every time."""
+    ranked = sorted(runs, key=lambda r: r["seconds"])
+    return {**ranked[(len(ranked) - 1) // 2], "runs": [r["seconds"] for r in runs]}
+
+
+def run(layers: int, hidden: int, ffn: int, workdir: Optional[Path], repeats: int = 1) -> dict:
     model = model_config(layers, hidden, ffn).model_dump()
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=workdir))
     try:
         ckpt = tmp / "ckpt"
         saved = _child("save", dst=str(ckpt), model=model)
         size = _dir_bytes(ckpt)
-        copy_seconds = copy_tree(ckpt, tmp / "copy")
-        shutil.rmtree(tmp / "copy")
-        rows = {"copy": {"seconds": copy_seconds, "bytes": size, "peak_rss": None, "baseline_rss": None}}
-        for step in ("reshard", "export"):
-            out = _child(step, src=str(ckpt), dst=str(tmp / step))
-            rows[step] = {"seconds": out["result"]["seconds"], "bytes": out["result"]["bytes"],
-                          "peak_rss": out["peak_rss"], "baseline_rss": out["baseline_rss"]}
-            shutil.rmtree(tmp / step)
-        return {"params": saved["result"]["params"], "checkpoint_bytes": size, "steps": rows,
+        runs: dict[str, list] = {"copy": [], "reshard": [], "export": []}
+        for _ in range(repeats):  # interleaved, so slow spells of a shared machine hit all steps
+            copy_seconds = copy_tree(ckpt, tmp / "copy")
+            shutil.rmtree(tmp / "copy")
+            runs["copy"].append({"seconds": copy_seconds, "bytes": size, "peak_rss": None, "baseline_rss": None})
+            for step in ("reshard", "export"):
+                out = _child(step, src=str(ckpt), dst=str(tmp / step))
+                runs[step].append({"seconds": out["result"]["seconds"], "bytes": out["result"]["bytes"],
+                                   "peak_rss": out["peak_rss"], "baseline_rss": out["baseline_rss"]})
+                shutil.rmtree(tmp / step)
+        return {"params": saved["result"]["params"], "checkpoint_bytes": size, "repeats": repeats,
+                "steps": {step: _median_row(r) for step, r in runs.items()},
                 "layers": layers, "hidden": hidden, "ffn": ffn}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -140,14 +149,16 @@ def run(layers: int, hidden: int, ffn: int, workdir: Optional[Path]) -> dict:
 def report(result: dict) -> Table:
     size = result["checkpoint_bytes"]
     copy_rate = result["steps"]["copy"]["bytes"] / result["steps"]["copy"]["seconds"]
-    table = Table(title=f"{result['params'] / 1e9:.2f}B params, checkpoint S = {size / 1e9:.2f} GB (fp32)")
-    for column in ("step", "seconds", "GB/s", "of copy", "peak RSS", "RSS over baseline"):
+    table = Table(title=f"{result['params'] / 1e9:.2f}B params, checkpoint S = {size / 1e9:.2f} GB (fp32), "
+                        f"median of {result['repeats']}")
+    for column in ("step", "seconds", "runs (s)", "GB/s", "of copy", "peak RSS", "RSS over baseline"):
         table.add_column(column, justify="right")
     for step, row in result["steps"].items():
         rate = row["bytes"] / row["seconds"]
         rss = "-" if row["peak_rss"] is None else f"{row['peak_rss'] / 1e9:.2f} GB ({row['peak_rss'] / size:.2f} S)"
         over = "-" if row["peak_rss"] is None else f"{(row['peak_rss'] - row['baseline_rss']) / size:.2f} S"
-        table.add_row(step, f"{row['seconds']:.1f}", f"{rate / 1e9:.2f}", f"{rate / copy_rate:.0%}", rss, over)
+        runs = " ".join(f"{t:.1f}" for t in row["runs"])
+        table.add_row(step, f"{row['seconds']:.1f}", runs, f"{rate / 1e9:.2f}", f"{rate / copy_rate:.0%}", rss, over)
     return table
 
 
@@ -158,9 +169,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=8192)
     parser.add_argument("--workdir", type=Path, help="where the temporary checkpoints go (default: system temp)")
+    parser.add_argument("--repeats", type=int, default=3, help="copy/reshard/export runs each (medians)")
     parser.add_argument("--json", action="store_true", help="also print the raw numbers as one JSON line")
     args = parser.parse_args(argv)
-    result = run(args.layers, args.hidden, args.ffn, args.workdir)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    result = run(args.layers, args.hidden, args.ffn, args.workdir, args.repeats)
     Console().print(report(result))
     if args.json:
         print(json.dumps(result))

@@ -35,7 +35,10 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+)
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 SHM_MARGIN = 64 << 20  # left free in the tmpfs for everything else that uses it
@@ -51,6 +54,10 @@ class StagingPool:
     def __init__(self, shm_dir: str = "/dev/shm") -> None:
         self._tensors: dict[tuple, torch.Tensor] = {}
         self.shm_dir = shm_dir
+        # One save strategy for every async save, so that saves after the first reuse its
+        # validated global plan and metadata instead of planning again (the same model and
+        # layout write the same chunks every time).
+        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
 
     @property
     def nbytes(self) -> int:
@@ -64,10 +71,13 @@ class StagingPool:
         return buf
 
     def shm_free(self) -> int:
-        if not os.path.isdir(self.shm_dir):
-            return 1 << 62  # no tmpfs to fill (not Linux): nothing to check
-        stat = os.statvfs(self.shm_dir)
-        return stat.f_bavail * stat.f_frsize
+        """Bytes that new staging memory may take: free space in the tmpfs, and no more than
+        the memory the machine has available (a tmpfs is sized apart from RAM)."""
+        free = 1 << 62
+        if os.path.isdir(self.shm_dir):
+            stat = os.statvfs(self.shm_dir)
+            free = stat.f_bavail * stat.f_frsize
+        return min(free, _mem_available())
 
     def room_for(self, sharded_state: dict) -> tuple[bool, int]:
         """(whether this rank's part of the next save fits the shared memory, bytes needed).
@@ -76,38 +86,76 @@ class StagingPool:
         need = sum(sh.data.numel() * sh.data.element_size()
                    for sh in nested_values(extract_sharded_base(sharded_state)[0])
                    if sh.data is not None and is_main_replica(sh.replica_id))
-        return need - self.nbytes <= self.shm_free() - SHM_MARGIN, need
+        # Every rank on this node stages its share from the same tmpfs and RAM at once.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return (need - self.nbytes) * local_ranks <= self.shm_free() - SHM_MARGIN, need
 
     def _allocate(self, data: torch.Tensor) -> torch.Tensor:
         need = data.numel() * data.element_size()
-        if need > self.shm_free() - SHM_MARGIN:  # room_for() said yes; never SIGBUS anyway
+        if need > self.shm_free():  # room_for() said yes; still never risk a SIGBUS
             raise WriterError(f"no room for {need / 2**20:.0f} MiB more in {self.shm_dir}")
         # Straight into shared memory (share_memory_() would allocate privately, then copy).
         storage = torch.UntypedStorage._new_shared(need)
         return torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape)
 
 
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # not Linux: unknown, not limited here
+
+
 @contextmanager
-def staging(pool: StagingPool):
-    """While active, every tensor dist_checkpointing's save planner hands to the writer is
-    first copied into `pool` (the planner resolves all of them before save() returns)."""
+def _resolved_tensors(convert):
+    """While active, every tensor dist_checkpointing's save planner hands to the writer goes
+    through convert((key, chunk offset), tensor) first (the planner resolves all of them
+    before save() returns)."""
     own = MCoreSavePlanner.__dict__.get("resolve_data")
     inherited = MCoreSavePlanner.resolve_data
 
     def resolve_data(self, write_item):
         data = inherited(self, write_item)
         if isinstance(data, torch.Tensor):
-            data = pool.stage((write_item.index.fqn, tuple(write_item.index.offset or ())), data)
+            data = convert((write_item.index.fqn, tuple(write_item.index.offset or ())), data)
         return data
 
     MCoreSavePlanner.resolve_data = resolve_data
     try:
-        yield pool
+        yield
     finally:
         if own is None:
             del MCoreSavePlanner.resolve_data
         else:
             MCoreSavePlanner.resolve_data = own
+
+
+def staging(pool: StagingPool):
+    """Async save: every tensor written is first copied into the pool."""
+    return _resolved_tensors(pool.stage)
+
+
+def without_clones():
+    """Sync save: nothing changes while it writes, yet dist_checkpointing clones every CPU
+    tensor that is a view (all parameters and optimizer states are) into fresh memory: the
+    whole state twice over (a ~1B model's 15 GB no longer fit in 24 GB), and ~1 s per GB
+    of page faults. Each tensor is handed over as an alias with its own storage instead."""
+    return _resolved_tensors(lambda key, data: _own_storage_alias(data))
+
+
+def _own_storage_alias(data: torch.Tensor) -> torch.Tensor:
+    if data.device.type != "cpu" or not data.is_contiguous():
+        return data
+    if data.untyped_storage().nbytes() == data.numel() * data.element_size():
+        return data  # already a whole storage
+    # numpy wraps exactly the view's bytes (and keeps the owner alive); bf16 goes as int16.
+    raw = data.detach().view(torch.int16) if data.dtype == torch.bfloat16 else data.detach()
+    alias = torch.from_numpy(raw.numpy())
+    return alias.view(torch.bfloat16) if data.dtype == torch.bfloat16 else alias
 
 
 def _writer_loop(requests, done, parent_pid: int) -> None:

@@ -117,7 +117,7 @@ def _staging_fits(pool, state: dict, log) -> bool:
     if int(flag.item()) == 0:
         return True
     log(f"warning: async checkpoint staging needs {need / 2**30:.2f} GiB of shared memory per "
-        f"rank; some rank's {pool.shm_dir} has less free: saving synchronously instead "
+        f"rank; some rank's {pool.shm_dir} or memory has less room: saving synchronously instead "
         "(enlarge /dev/shm, e.g. docker --shm-size, or set checkpoint.async_save=false)")
     return False
 
@@ -146,10 +146,12 @@ def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
     if pool is not None and not _staging_fits(pool, state, log):
         pool = None
     if pool is None:
-        request = dist_checkpointing.save(state, str(tmp))
+        with async_writer.without_clones():
+            request = dist_checkpointing.save(state, str(tmp))
     else:
         with async_writer.staging(pool):
-            request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+            request = dist_checkpointing.save(state, str(tmp), sharded_strategy=pool.strategy,
+                                              async_sharded_save=True)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     return request

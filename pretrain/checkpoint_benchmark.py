@@ -2,8 +2,10 @@
 
     # tiny-llama, one rank, 3 repeats:
     torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3
-    # a ~1B-parameter Llama shape (hidden 2048, 18 layers, 32k vocab), fp32 + Adam state:
-    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3 \
+    # a ~1B-parameter Llama shape (hidden 2048, 18 layers, 32k vocab), fp32 + Adam state
+    # (15 GB: staging an async save, or Megatron's load, would need as much again, so on a
+    # 24 GB machine, sync saves only):
+    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3 --no-async --no-load \
         model.num_layers=18 model.hidden_size=2048 model.ffn_hidden_size=5632 \
         model.num_attention_heads=16 model.num_query_groups=4 model.vocab_size=32000
 
@@ -40,25 +42,19 @@ def _timed_steps(step_fn, count: int) -> float:
     return (time.perf_counter() - start) / count
 
 
-def _one_repeat(run, root: Path, async_saver, step_fn) -> dict:
-    from pretrain import checkpoint
-
+def _async_save(run, root: Path, async_saver, step_fn) -> dict:
+    """One async save while training goes on. One checkpointer serves every repeat, as in
+    training: its writer process and staging memory are made once (the first repeat's stall
+    includes allocating the staging memory)."""
     out = {}
-    sync_cfg = run.config.model_copy(update={"checkpoint": run.config.checkpoint.model_copy(
-        update={"dir": str(root / "sync"), "async_save": False})})
-    saver = checkpoint.Checkpointer(sync_cfg, run.world_size, lambda m: None)
-    start = time.perf_counter()
-    saver.save(1, run.state)
-    out["sync_save_s"] = time.perf_counter() - start
-    out["bytes"] = _dir_bytes(root / "sync" / "step_00000001")
-
-    # One async checkpointer for all repeats, as in training: its writer process and staging
-    # memory are made once (the first repeat's stall includes allocating the staging memory).
     async_saver.root = root / "async"
     baseline = _timed_steps(step_fn, 2)  # a training step without a save in flight
     start = time.perf_counter()
     async_saver.save(1, run.state)
     out["async_stall_s"] = time.perf_counter() - start
+    if not async_saver.queue.get_num_unfinalized_calls():
+        raise SystemExit("the async save ran synchronously (no room to stage it: see the log); "
+                         "rerun with --no-async or on a machine with more memory")
     # Training goes on while the writer works, as in the loop (which polls once per step);
     # the writer's CPU and disk use slow these steps down on a CPU-only machine.
     during = []
@@ -71,10 +67,28 @@ def _one_repeat(run, root: Path, async_saver, step_fn) -> dict:
     out["step_s"] = baseline
     out["steps_during_write"] = len(during)
     out["extra_step_s_during_write"] = sum(during) - len(during) * baseline
+    return out
 
+
+def _one_repeat(run, root: Path, async_saver, step_fn, load: bool) -> dict:
+    from pretrain import checkpoint
+
+    out = {}
+    sync_cfg = run.config.model_copy(update={"checkpoint": run.config.checkpoint.model_copy(
+        update={"dir": str(root / "sync"), "async_save": False})})
+    saver = checkpoint.Checkpointer(sync_cfg, run.world_size, lambda m: None)
     start = time.perf_counter()
-    checkpoint.load(root / "sync" / "step_00000001", run.state, sync_cfg, run.world_size, lambda m: None)
-    out["load_s"] = time.perf_counter() - start
+    saver.save(1, run.state)
+    out["sync_save_s"] = time.perf_counter() - start
+    out["bytes"] = _dir_bytes(root / "sync" / "step_00000001")
+
+    if async_saver is not None:
+        out.update(_async_save(run, root, async_saver, step_fn))
+
+    if load:
+        start = time.perf_counter()
+        checkpoint.load(root / "sync" / "step_00000001", run.state, sync_cfg, run.world_size, lambda m: None)
+        out["load_s"] = time.perf_counter() - start
     dist.barrier()
     return out
 
@@ -85,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default="tiny-llama")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
+    parser.add_argument("--no-async", action="store_true",
+                        help="sync save and load only (async staging needs the state's size again in "
+                             "free memory: a ~1B model's 15 GB does not fit twice in 24 GB)")
+    parser.add_argument("--no-load", action="store_true",
+                        help="saves only (Megatron's fully_reshardable load allocates the whole "
+                             "optimizer state once more: a ~1B model needs ~30 GB to load)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
 
@@ -104,20 +124,28 @@ def main(argv: list[str] | None = None) -> int:
         run = setup(config)
         iters = chunk_iterators(run.datasets.train, config, 0, len(run.datasets.train))
         step_fn = lambda: train_step(run.state, iters, config, run.num_microbatches, 1)
+        from pretrain.optimizer_state import distributed_optimizers
+
+        for opt in distributed_optimizers(run.state.optimizer):
+            for group in opt.optimizer.param_groups:
+                # torch's multi-tensor Adam makes whole-model temporaries (+4 GB at 1B
+                # parameters); one tensor at a time keeps the benchmark within 24 GB.
+                group["foreach"] = False
         step_fn()  # Adam state exists
         from pretrain.checkpoint import Checkpointer
 
         async_cfg = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
             update={"dir": str(Path(tmp) / "async"), "async_save": True})})
-        async_saver = Checkpointer(async_cfg, run.world_size, lambda m: None)
+        async_saver = None if args.no_async else Checkpointer(async_cfg, run.world_size, print)
         results = []
         for i in range(args.repeats):
             root = Path(tmp) / f"r{i}"
-            results.append(_one_repeat(run, root, async_saver, step_fn))
+            results.append(_one_repeat(run, root, async_saver, step_fn, not args.no_load))
             if dist.get_rank() == 0:
                 shutil.rmtree(root, ignore_errors=True)
             dist.barrier()
-        async_saver.close()
+        if async_saver is not None:
+            async_saver.close()
         if dist.get_rank() == 0:
             _report(args, config, results, total_params(config.model))
         shutdown()
@@ -129,10 +157,11 @@ def _report(args, config, results: list[dict], params: int) -> None:
     from rich.table import Table
 
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-    med["first_async_stall_s"] = results[0]["async_stall_s"]
-    if len(results) > 1:  # later saves reuse the staging memory: the steady state
-        med["async_stall_s"] = statistics.median(r["async_stall_s"] for r in results[1:])
-    med["async_stall_vs_sync"] = med["async_stall_s"] / med["sync_save_s"]
+    if "async_stall_s" in med:
+        med["first_async_stall_s"] = results[0]["async_stall_s"]
+        if len(results) > 1:  # later saves reuse the staging memory: the steady state
+            med["async_stall_s"] = statistics.median(r["async_stall_s"] for r in results[1:])
+        med["async_stall_vs_sync"] = med["async_stall_s"] / med["sync_save_s"]
     med["save_gb_per_s"] = med["bytes"] / med["sync_save_s"] / 1e9
     table = Table(title=f"checkpoint benchmark: {params / 1e6:.1f}M parameters, median of {len(results)}")
     table.add_column("metric")
