@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from checkpoints_tools.mapping import TP_SPLIT, model_key, stacked_axes
 from models.layout import ParallelLayout
+from pretrain.async_writer import own_storage_alias
 
 # What Megatron-Core writes next to the DCP files (dist_checkpointing/core.py).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -210,7 +211,9 @@ class _LazyPlanner:
         tensor = self.produce(item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
         if tuple(tensor.shape) != tuple(chunk.sizes):
             raise AssertionError(f"{item.index.fqn}: produced {tuple(tensor.shape)}, planned {tuple(chunk.sizes)}")
-        return tensor.to(self.dtypes[item.index.fqn]).contiguous()
+        # One copy at most (a cast, or a TP split across columns); a view of the source
+        # layer goes out as an alias rather than being cloned again by the writer.
+        return own_storage_alias(tensor.to(self.dtypes[item.index.fqn]).contiguous())
 
 
 def write_checkpoint(

@@ -21,6 +21,7 @@ A checkpoint without optimizer state resumes with a fresh optimizer.
 from __future__ import annotations
 
 import argparse
+import queue
 import shutil
 import sys
 import threading
@@ -56,16 +57,65 @@ class LayerCache:
     """Serves chunks of stacked tensors from the last few (key, layer[, expert]) reads.
 
     The writer asks for chunks in plan order (all TP chunks of a layer together), so each
-    source layer is read once whatever the source and target TP. Memory: `capacity`
-    layers of one key (or unstacked tensors such as the embedding). Thread-safe for
-    several writer threads: reads are serialized, narrowing happens outside the lock.
+    source layer is read once whatever the source and target TP. Given that `order`, a
+    background thread reads the next layer while the writer writes this one (reading and
+    writing overlap: the writer spends its time in write() and fsync, without the GIL);
+    `ahead` layers at most wait read. Memory: `capacity` + `ahead` layers of one key (or
+    unstacked tensors such as the embedding). Thread-safe for several writer threads.
     """
 
-    def __init__(self, load, capacity: int = 1):
+    def __init__(self, load, capacity: int = 1, order: Optional[list] = None, ahead: int = 1):
         self.load = load  # (key, index) -> tensor[index]
         self.capacity = capacity
         self.entries: OrderedDict = OrderedDict()
         self.lock = threading.Lock()
+        self._ready: Optional[queue.Queue] = None
+        self._stash: dict = {}
+        if order:
+            self._position = {where: i for i, where in enumerate(order)}
+            self._ready = queue.Queue(maxsize=ahead)
+            self._stop = threading.Event()
+            threading.Thread(target=self._prefetch, args=(order,), name="reshard-prefetch", daemon=True).start()
+
+    def _prefetch(self, order: list) -> None:
+        try:
+            for where in order:
+                tensor = self.load(*where)
+                while not self._stop.is_set():
+                    try:
+                        self._ready.put((where, tensor), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._ready.put(None)
+        except BaseException as exc:  # re-raised in the writer's thread by _take
+            self._ready.put(exc)
+
+    def close(self) -> None:
+        if self._ready is not None:
+            self._stop.set()
+
+    def _take(self, where):
+        """The tensor for `where`: prefetched if it is next in order, else read now."""
+        while self._ready is not None:
+            if where in self._stash:
+                return self._stash.pop(where)
+            item = self._ready.get()
+            if item is None:
+                self._ready = None  # every prefetched layer was handed out
+                break
+            if isinstance(item, BaseException):
+                raise item
+            got, tensor = item
+            if got == where:
+                return tensor
+            if self._position.get(got, -1) > self._position.get(where, -1):
+                self._stash[got] = tensor  # asked out of order: keep it for later
+                break
+            # an earlier layer nobody asked for any more: drop it
+        return self.load(*where)
 
     def chunk(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
         lead = stacked_axes(key)
@@ -76,11 +126,23 @@ class LayerCache:
             else:
                 while len(self.entries) >= self.capacity:
                     self.entries.popitem(last=False)  # drop before reading: bounded memory
-                self.entries[where] = self.load(*where)
+                self.entries[where] = self._take(where)
             view = self.entries[where]
         for dim, (start, length) in enumerate(zip(offsets[lead:], sizes[lead:])):
             view = view.narrow(dim, start, length)
         return view.reshape(sizes)
+
+
+def read_order(tensors: dict) -> list:
+    """(key, layer[, expert]) in the order the writer will ask for them, each once."""
+    order = []
+    for key, (_, _, chunks) in tensors.items():
+        lead = stacked_axes(key)
+        for offsets, _ in chunks:
+            where = (key, tuple(offsets[:lead]))
+            if not order or order[-1] != where:
+                order.append(where)
+    return order
 
 
 def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optional[int] = None,
@@ -112,29 +174,32 @@ def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optiona
     if not keep_optimizer:
         common.pop("optimizer", None)
     total = sum(_nbytes(shape, dt) for shape, dt, _ in tensors.values())
-    cache = LayerCache(reader.read)
-    with staged_output(dst, overwrite=overwrite, protect=(src,), what="reshard output") as out, \
-            byte_progress(progress) as bar:
-        task = bar.add_task(f"reshard -> {layout.describe(world)}", total=total)
+    cache = LayerCache(reader.read, order=read_order(tensors))
+    try:
+        with staged_output(dst, overwrite=overwrite, protect=(src,), what="reshard output") as out, \
+                byte_progress(progress) as bar:
+            task = bar.add_task(f"reshard -> {layout.describe(world)}", total=total)
 
-        def produce(key, offsets, sizes):
-            chunk = cache.chunk(key, offsets, sizes)
-            bar.advance(task, chunk.numel() * tensors[key][1].itemsize)
-            return chunk
+            def produce(key, offsets, sizes):
+                chunk = cache.chunk(key, offsets, sizes)
+                bar.advance(task, chunk.numel() * tensors[key][1].itemsize)
+                return chunk
 
-        write_checkpoint(out, tensors, produce, objects, common)
-        if meta.get("layout_name") == layout.describe(world) and (src / "rng").is_dir():
-            shutil.copytree(src / "rng", out / "rng")  # same ranks: their RNG streams still apply
-        write_training_meta(
-            out, model=model, layout=layout, world_size=world, step=int(meta["step"]),
-            consumed_samples=int(meta.get("consumed_samples", 0)), has_optimizer=keep_optimizer,
-            config=read_experiment_config(src, model),
-            # An imported model keeps what its export needs (HF architecture, BOS/EOS ids).
-            provenance={**{k: v for k, v in (meta.get("converted_by") or {}).items() if k.startswith("hf_")},
-                        "tool": "checkpoints_tools.reshard", "source": str(src.resolve()),
-                        "source_layout": meta.get("layout_name"),
-                        "dtype": DTYPE_NAMES.get(dtype) if dtype else "unchanged"},
-        )
+            write_checkpoint(out, tensors, produce, objects, common)
+            if meta.get("layout_name") == layout.describe(world) and (src / "rng").is_dir():
+                shutil.copytree(src / "rng", out / "rng")  # same ranks: their RNG streams still apply
+            write_training_meta(
+                out, model=model, layout=layout, world_size=world, step=int(meta["step"]),
+                consumed_samples=int(meta.get("consumed_samples", 0)), has_optimizer=keep_optimizer,
+                config=read_experiment_config(src, model),
+                # An imported model keeps what its export needs (HF architecture, BOS/EOS ids).
+                provenance={**{k: v for k, v in (meta.get("converted_by") or {}).items() if k.startswith("hf_")},
+                            "tool": "checkpoints_tools.reshard", "source": str(src.resolve()),
+                            "source_layout": meta.get("layout_name"),
+                            "dtype": DTYPE_NAMES.get(dtype) if dtype else "unchanged"},
+            )
+    finally:
+        cache.close()  # stop reading ahead (an error, or Ctrl-C)
     return {"output": str(Path(dst)), "source_layout": meta.get("layout_name"), "layout": layout.describe(world),
             "optimizer": keep_optimizer, "bytes": total, "seconds": time.perf_counter() - start}
 

@@ -144,10 +144,12 @@ def without_clones():
     tensor that is a view (all parameters and optimizer states are) into fresh memory: the
     whole state twice over (a ~1B model's 15 GB no longer fit in 24 GB), and ~1 s per GB
     of page faults. Each tensor is handed over as an alias with its own storage instead."""
-    return _resolved_tensors(lambda key, data: _own_storage_alias(data))
+    return _resolved_tensors(lambda key, data: own_storage_alias(data))
 
 
-def _own_storage_alias(data: torch.Tensor) -> torch.Tensor:
+def own_storage_alias(data: torch.Tensor) -> torch.Tensor:
+    """`data` (a contiguous CPU view) as a tensor whose storage is exactly its bytes, without
+    a copy: torch's checkpoint writers clone any tensor whose storage is larger."""
     if data.device.type != "cpu" or not data.is_contiguous():
         return data
     if data.untyped_storage().nbytes() == data.numel() * data.element_size():

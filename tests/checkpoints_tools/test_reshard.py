@@ -104,3 +104,45 @@ def test_moe_ep2_to_ep1_keeps_experts_and_optimizer_state(trained, tmp_path):
                                        checkpoint=str(serving), layout={})))
     diff = (got - run.logits).abs().max().item()
     assert diff <= 1e-6, f"EP1 logits differ from the TP2xEP2 original by {diff}"
+
+
+W = "decoder.layers.mlp.linear_fc2.weight"  # stacked by layer
+
+
+def _layer_cache(order, fail_at=None):
+    import torch
+
+    from checkpoints_tools.reshard import LayerCache
+
+    loads = []
+
+    def load(key, index):
+        if (key, index) == fail_at:
+            raise OSError(f"cannot read {key}")
+        loads.append((key, index))
+        return torch.full((2, 4), float(index[0]) if index else -1.0)
+
+    return LayerCache(load, order=order), loads
+
+
+def test_layer_cache_reads_ahead_each_layer_once_in_any_request_order():
+    order = [(W, (0,)), (W, (1,)), (W, (2,)), ("embedding.word_embeddings.weight", ())]
+    cache, loads = _layer_cache(order)
+    for where in order:  # plan order, two TP halves each
+        for half in (0, 2):
+            chunk = cache.chunk(where[0], (*where[1], 0, half), (*([1] * len(where[1])), 2, 2))
+            assert chunk.flatten().unique().tolist() == [float(where[1][0]) if where[1] else -1.0]
+    assert loads == order
+    cache.close()
+    cache, loads = _layer_cache(order)
+    got = [cache.chunk(W, (i, 0, 0), (1, 2, 4)).max().item() for i in (2, 0, 1)]  # out of order
+    assert got == [2.0, 0.0, 1.0]
+    cache.close()
+
+
+def test_layer_cache_read_error_reaches_the_writer():
+    cache, _ = _layer_cache([(W, (0,)), (W, (1,))], fail_at=(W, (1,)))
+    cache.chunk(W, (0, 0, 0), (1, 2, 4))
+    with pytest.raises(OSError, match="cannot read decoder"):
+        cache.chunk(W, (1, 0, 0), (1, 2, 4))
+    cache.close()

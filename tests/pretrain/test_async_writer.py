@@ -84,11 +84,11 @@ def test_a_dead_writer_is_an_error_not_a_hang():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sync_save_aliases_views_instead_of_cloning(dtype):
-    from pretrain.async_writer import _own_storage_alias
+    from pretrain.async_writer import own_storage_alias
 
     whole = torch.arange(40).to(dtype)
     view = whole[10:30].view(4, 5)  # a parameter inside DDP's flat buffer
-    alias = _own_storage_alias(view)
+    alias = own_storage_alias(view)
     assert alias.dtype == dtype and alias.shape == view.shape and torch.equal(alias, view)
     assert alias.data_ptr() == view.data_ptr()  # no copy
     assert alias.untyped_storage().nbytes() == 20 * whole.element_size()  # so no clone either
