@@ -87,7 +87,7 @@ class StagingPool:
                    for sh in nested_values(extract_sharded_base(sharded_state)[0])
                    if sh.data is not None and is_main_replica(sh.replica_id))
         # Every rank on this node stages its share from the same tmpfs and RAM at once.
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_ranks = _ranks_on_this_node()
         return (need - self.nbytes) * local_ranks <= self.shm_free() - SHM_MARGIN, need
 
     def _allocate(self, data: torch.Tensor) -> torch.Tensor:
@@ -97,6 +97,19 @@ class StagingPool:
         # Straight into shared memory (share_memory_() would allocate privately, then copy).
         storage = torch.UntypedStorage._new_shared(need)
         return torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape)
+
+
+def _ranks_on_this_node() -> int:
+    """Ranks sharing this node's memory: torchrun's LOCAL_WORLD_SIZE, else Slurm's tasks per
+    node (srun starts the ranks itself; SLURM_TASKS_PER_NODE reads like "8(x2)" or "4,3")."""
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") \
+        or os.environ.get("SLURM_TASKS_PER_NODE", "1")
+    digits = ""
+    for char in value:
+        if not char.isdigit():
+            break
+        digits += char
+    return max(1, int(digits or 1))
 
 
 def _mem_available() -> int:

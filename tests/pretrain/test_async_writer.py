@@ -92,3 +92,17 @@ def test_sync_save_aliases_views_instead_of_cloning(dtype):
     assert alias.dtype == dtype and alias.shape == view.shape and torch.equal(alias, view)
     assert alias.data_ptr() == view.data_ptr()  # no copy
     assert alias.untyped_storage().nbytes() == 20 * whole.element_size()  # so no clone either
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LOCAL_WORLD_SIZE": "4"}, 4), ({"SLURM_TASKS_PER_NODE": "8(x2)"}, 8),
+    ({"SLURM_TASKS_PER_NODE": "4,3"}, 4), ({}, 1),
+])
+def test_staging_room_is_shared_by_the_node_ranks(monkeypatch, env, expected):
+    from pretrain.async_writer import _ranks_on_this_node
+
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _ranks_on_this_node() == expected
