@@ -101,6 +101,13 @@ def add_layout_arguments(parser) -> None:
                        help="world size to record (default: one data-parallel replica)")
 
 
+def add_output_arguments(parser, dtype_help: str) -> None:
+    """--dtype, --overwrite and --no-progress, which every converting tool takes."""
+    parser.add_argument("--dtype", choices=list(DTYPES), help=dtype_help)
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def layout_from_args(model: ModelConfig, args) -> tuple[ParallelLayout, int]:
     return target_layout(model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp,
                          sequence_parallel=args.sequence_parallel, world_size=args.world_size)

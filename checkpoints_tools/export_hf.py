@@ -31,6 +31,7 @@ import torch
 
 from checkpoints_tools.common import (
     ToolError,
+    add_output_arguments,
     byte_progress,
     checkpoint_model,
     parse_dtype,
@@ -196,15 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", type=Path, help="checkpoint step directory, or a checkpoint.dir (newest)")
     parser.add_argument("dst", type=Path, help="output Hugging Face model directory")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weight dtype (default: the checkpoint's)")
+    add_output_arguments(parser, dtype_help="weight dtype (default: the checkpoint's)")
     parser.add_argument("--architecture", choices=["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"],
                         help="HF class (default: Llama for dense, Mixtral for MoE models)")
     parser.add_argument("--tokenizer", type=Path, help="SentencePiece .model, tokenizer.json, or a directory")
     parser.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")
     parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_SHARD_BYTES,
                         help="largest safetensors shard (default 5GiB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 

@@ -33,6 +33,7 @@ from checkpoints_tools.common import (
     DTYPE_NAMES,
     ToolError,
     add_layout_arguments,
+    add_output_arguments,
     byte_progress,
     check_layout,
     layout_from_args,
@@ -164,13 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("src", type=Path, help=f"Hugging Face directory ({', '.join(ARCHITECTURES)})")
     parser.add_argument("dst", type=Path, help="output checkpoint directory (resume with checkpoint.resume=DST)")
     add_layout_arguments(parser)
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weight dtype (default: the HF weights')")
+    add_output_arguments(parser, dtype_help="weight dtype (default: the HF weights')")
     parser.add_argument("--vocab-multiple", type=int, default=128,
                         help="pad the vocabulary to a multiple of this (model.make_vocab_size_divisible_by)")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow pickled *.bin weights (they can run code when unpickled: trusted sources only)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 

@@ -34,8 +34,8 @@ import torch
 
 from checkpoints_tools.common import (
     DTYPE_NAMES,
-    ToolError,
     add_layout_arguments,
+    add_output_arguments,
     byte_progress,
     check_layout,
     checkpoint_model,
@@ -218,9 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("dst", type=Path, help="output checkpoint directory (resume with checkpoint.resume=DST)")
     add_layout_arguments(parser)
     parser.add_argument("--drop-optimizer", action="store_true", help="write model weights only (serving copy)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast model weights (default: keep)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(parser, dtype_help="cast model weights (default: keep)")
     return parser
 
 
