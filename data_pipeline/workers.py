@@ -78,7 +78,7 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
     return result
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Linux: the kernel SIGKILLs us when the parent dies, even by SIGKILL.
     if sys.platform.startswith("linux"):
         try:
@@ -89,20 +89,26 @@ def _die_with_parent() -> None:
             pass  # the getppid() poll in worker_main still catches it
 
 
+def get_unless_orphaned(tasks, parent_pid: int, poll: float = 1.0):
+    """The next item of `tasks`, or None once the process that started us is gone (a
+    backstop where die_with_parent is unavailable)."""
+    while True:
+        try:
+            return tasks.get(timeout=poll)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                return None
+
+
 def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int) -> None:
     # Ctrl-C reaches the whole process group; the parent decides and stops us cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits preprocess's SIGTERM-to-KeyboardInterrupt handler; the
     # parent's terminate() must simply end it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with_parent()
+    die_with_parent()
     while True:
-        try:
-            chunk = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent_pid:
-                return
-            continue
+        chunk = get_unless_orphaned(tasks, parent_pid)
         if chunk is None:
             return
         try:

@@ -41,6 +41,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
+from pretrain.runtime import collective_device
+
 SHM_MARGIN = 64 << 20  # left free in the tmpfs for everything else that uses it
 
 
@@ -175,22 +177,17 @@ def own_storage_alias(data: torch.Tensor) -> torch.Tensor:
 
 def _writer_loop(requests, done, parent_pid: int) -> None:
     """The writer process: run each request's write function, report its index or error."""
-    from data_pipeline.workers import _die_with_parent
+    from data_pipeline.workers import die_with_parent, get_unless_orphaned
     # Imported now, while the trainer is still starting, not when the first save arrives.
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401
 
-    _die_with_parent()
+    die_with_parent()
     # Training comes first: the writer (and the per-file processes it starts) gets the CPU
     # time training leaves; its work is mostly copying into the page cache and fsync.
     os.nice(10)
     torch.set_num_threads(1)
     while True:
-        try:
-            item = requests.get(timeout=5.0)
-        except queue.Empty:
-            if os.getppid() != parent_pid:
-                return
-            continue
+        item = get_unless_orphaned(requests, parent_pid, poll=5.0)
         if item is None:
             return
         call_idx, fn, args, kwargs = item
@@ -248,9 +245,7 @@ class WriterCaller(AsyncCaller):
         alive = int(not self._finished(blocking))
         if no_dist:
             return not alive
-        flag = torch.tensor([alive], dtype=torch.int)
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
+        flag = torch.tensor([alive], dtype=torch.int, device=collective_device())
         dist.all_reduce(flag)  # done only once every rank's writer is done
         return int(flag.item()) == 0
 

@@ -36,6 +36,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 
 from pretrain import async_writer, optimizer_state
 from pretrain.config import ExperimentConfig, dump_yaml
+from pretrain.runtime import collective_device
 
 COMPLETE = "COMPLETE"
 # The optimizer format that loads at any TP/PP/DP layout. It gathers a DP-zero copy of the
@@ -112,7 +113,7 @@ def _staging_fits(pool, state: dict, log) -> bool:
     """Whether every rank's share of this save fits its shared memory for staging; if
     not, this save is synchronous (training stalls for it, nothing is lost)."""
     fits, need = pool.room_for(state)
-    flag = torch.tensor([0 if fits else 1], dtype=torch.int, device=_collective_device())
+    flag = torch.tensor([0 if fits else 1], dtype=torch.int, device=collective_device())
     dist.all_reduce(flag)
     if int(flag.item()) == 0:
         return True
@@ -120,10 +121,6 @@ def _staging_fits(pool, state: dict, log) -> bool:
         f"rank; some rank's {pool.shm_dir} or memory has less room: saving synchronously instead "
         "(enlarge /dev/shm, e.g. docker --shm-size, or set checkpoint.async_save=false)")
     return False
-
-
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _write_shards(root: Path, step: int, run_state, pool=None, log=print):

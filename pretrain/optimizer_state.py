@@ -58,7 +58,7 @@ def _sharded_param_state(opt, original, buffers: dict, model_sharded_state_dict,
     if is_loading:
         return original(model_sharded_state_dict, is_loading, metadata)
     group = _gather_group(opt)
-    if group.size() > 1 and _dp_rank(opt) != 0:
+    if group.size() > 1 and group.rank() != 0:
         _send_shards(opt, group, buffers)
         return None
     metadata_of = {sh.data: sh for sh in nested_values(
@@ -100,10 +100,6 @@ def _gather_group(opt):
     # Gather on CPU through gloo where the optimizer has a gloo group (always on CPU runs);
     # otherwise on the state's own device through its data-parallel group.
     return getattr(opt, "data_parallel_group_gloo", None) or opt.data_parallel_group
-
-
-def _dp_rank(opt) -> int:
-    return opt.data_parallel_group.rank()
 
 
 def _buffer(buffers: dict, name, numel: int, device) -> torch.Tensor:

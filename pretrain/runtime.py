@@ -81,6 +81,13 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
     return env
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor must live to go through the default group's collectives."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def set_seeds(seed: int) -> None:
     """Same seed on every rank for Python/numpy/torch; Megatron derives TP/EP-specific
     streams (dropout inside TP regions) from it in its RNG tracker."""
