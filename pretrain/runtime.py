@@ -53,6 +53,7 @@ def world_size_from_env() -> int:
 def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int = 10) -> DistEnv:
     """Create the process groups and Megatron-Core's parallel state exactly once."""
     env = read_dist_env()
+    _forked_children_die_with_rank()
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
@@ -79,6 +80,22 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
         )
     set_seeds(seed)
     return env
+
+
+_fork_hook_installed = False
+
+
+def _forked_children_die_with_rank() -> None:
+    """Processes forked from a rank (dist_checkpointing forks one writer per file) inherit
+    its rendezvous socket. If the rank is killed mid-save they live on, blocked on a queue
+    lock the rank held, and keep the port: the next launch on it fails with EADDRINUSE.
+    So every child forked from here dies with its parent."""
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        from data_pipeline.workers import die_with_parent
+
+        os.register_at_fork(after_in_child=die_with_parent)
+        _fork_hook_installed = True
 
 
 def collective_device() -> torch.device:
