@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                              "optimizer state once more: a ~1B model needs ~30 GB to load)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     from models.flops import total_params
     from pretrain.cli import resolve_config
