@@ -30,11 +30,14 @@ class StopRequest:
         local = 1.0 if self.signal_name else 0.0
         if self._deadline is not None and time.monotonic() > self._deadline:
             local = max(local, 0.5)
-        flag = torch.tensor([local])
         if dist.is_initialized():
+            from pretrain.runtime import collective_device
+
+            flag = torch.tensor([local], device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() >= 1.0:
+            local = flag.item()
+        if local >= 1.0:
             return f"signal {self.signal_name or 'on another rank'}"
-        if flag.item() > 0:
+        if local > 0:
             return "checkpoint.exit_after_minutes reached"
         return None

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from pretrain.runtime import collective_device
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from pretrain.config import ExperimentConfig
@@ -115,7 +117,7 @@ def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> dict[s
 
 def grads_finite(state: TrainingState) -> bool:
     """True on every rank iff no rank has a NaN/Inf gradient (one sum per grad buffer)."""
-    bad = torch.zeros(1)
+    bad = torch.zeros(1, device=collective_device())
     for chunk in state.model:
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             if not torch.isfinite(buffer.grad_data.float().sum()):

@@ -32,7 +32,7 @@ from pretrain.metrics import (
     info,
     peak_memory_gb,
 )
-from pretrain.runtime import init_distributed, is_logging_rank, world_size_from_env
+from pretrain.runtime import collective_device, init_distributed, is_logging_rank, world_size_from_env
 from pretrain import checkpoint
 from pretrain.signals import StopRequest
 from pretrain.train import evaluate, is_finite, train_step
@@ -97,7 +97,8 @@ def setup(config: ExperimentConfig) -> Run:
 
 def _broadcast_loss(loss: Optional[float]) -> float:
     """Every rank learns the step's loss (from the last pipeline stage) for NaN checks."""
-    value = torch.tensor([loss if loss is not None else float("-inf")], dtype=torch.float64)
+    value = torch.tensor([loss if loss is not None else float("-inf")], dtype=torch.float64,
+                         device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item()
 
