@@ -7,10 +7,13 @@
     python -m pretrain.benchmark --recipe tiny-llama --nproc 2 --steps 6 --warmup 2 --repeats 2 \
         parallel.context_parallel=2 model.max_seq_length=2048 schedule.seq_length=2048 \
         schedule.micro_batch_size=1 schedule.global_batch_size=2 data.demo=false data.mock=true
-    # GPU: a llama3-8b-shaped model cut to the layers that fit one H100, BF16, seq 4096:
-    python -m pretrain.benchmark --recipe llama3-8b --nproc 1 --steps 30 \
+    # GPU: a llama3-8b-shaped model cut to the layers that fit one H100, BF16, seq 4096
+    # (one H100 SXM, TE 2.11: 458 TFLOP/s = 46.3% MFU; micro-batch 1: 43.9%; add
+    # runtime.fp8=hybrid for FP8: 503 TFLOP/s at micro-batch 1):
+    python -m pretrain.benchmark --recipe llama3-8b --nproc 1 --steps 15 --repeats 2 \
         model.num_layers=4 parallel.tensor_parallel=1 parallel.sequence_parallel=false \
-        schedule.seq_length=4096 schedule.global_batch_size=8 data.mock=true
+        schedule.seq_length=4096 schedule.global_batch_size=8 schedule.micro_batch_size=2 \
+        runtime.recompute=none data.mock=true
 
 Prints a table and one JSON line: step time, tokens/s (global and per device), model
 TFLOP/s per device, MFU (GPU only) and the fraction of step time spent outside
