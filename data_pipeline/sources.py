@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
+import orjson
+
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt", ".txt.gz")  # plain text: only train_tokenizer reads these
@@ -199,12 +201,23 @@ def check_text(text: str) -> int:
 def parse_json_record(line: bytes, field: str) -> str:
     """The text of one JSON line, or BadRecord naming what is wrong with it."""
     try:
+        # orjson parses a document in ~60% of the json module's time. Whatever it rejects
+        # goes through json below, so what is accepted (json also takes NaN, a BOM, lone
+        # surrogate escapes that check_text then names) and every message stay json's.
+        return _text_field(orjson.loads(line), field)
+    except orjson.JSONDecodeError:
+        pass
+    try:
         record = json.loads(line)
     except UnicodeDecodeError as err:
         raise BadRecord("invalid UTF-8", f"invalid UTF-8 at byte {err.start + 1} of the line") from None
     except json.JSONDecodeError as err:
         problem = "blank line" if not line.strip() else f"{err.msg} at column {err.colno}"
         raise BadRecord("malformed JSON", f"malformed JSON: {problem}") from None
+    return _text_field(record, field)
+
+
+def _text_field(record, field: str) -> str:
     if not isinstance(record, dict):
         raise BadRecord("malformed JSON", f"malformed JSON: expected an object, got "
                                           f"{type(record).__name__}")

@@ -207,3 +207,17 @@ def test_tokenizer_failure_names_the_record(tmp_path, monkeypatch):
                                               r"ValueError: cannot encode this"):
         preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=1)
     assert output_files(tmp_path) == ["input.jsonl"]
+
+
+@pytest.mark.parametrize("line", [
+    b'{"text": "plain", "meta": {"n": 1.5e300, "tags": [true, null]}}',
+    '{"text": "caf\u00e9 \u2603 \U0001F600 tab\\t quote\\" slash\\/ \\u00e9"}'.encode(),
+    b'{"text": "first", "text": "duplicate key: the last wins"}',
+    b'\xef\xbb\xbf{"text": "after a byte-order mark"}',  # orjson refuses; json takes it
+    b'{"text": "NaN elsewhere", "score": NaN}',  # likewise
+    b'{"text": "big", "n": 123456789012345678901234567890}',
+])
+def test_fast_json_path_reads_what_the_json_module_reads(line):
+    from data_pipeline.sources import parse_json_record
+
+    assert parse_json_record(line, "text") == json.loads(line)["text"]
