@@ -29,6 +29,12 @@ result = getattr(importlib.import_module(module), func)(**kwargs)
 with open(out + ".tmp", "w") as f:
     json.dump(result, f)
 os.replace(out + ".tmp", out)
+# Tear the process group down together: a rank that exits while its peers' gloo threads
+# still talk to it has aborted with "terminate called without an active exception".
+dist = sys.modules.get("torch.distributed")
+if dist is not None and dist.is_initialized():
+    from pretrain.runtime import shutdown
+    shutdown()
 """
 
 
