@@ -37,3 +37,15 @@ def test_run_preprocess_reports_time_cpu_and_memory(tmp_path, texts):
     assert run["text_bytes"] == sum(len(t.encode()) for t in texts[:50])
     assert 0 < run["seconds"] < run["cli_wall_seconds"] and run["peak_rss"] > 50e6
     assert run["cpu_seconds"] > run["worker_cpu_seconds"] > 0
+
+
+def test_repeated_corpus_is_the_corpus_n_times_and_reused(tmp_path, texts):
+    from data_pipeline.benchmark import repeated
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts[:5])
+    assert repeated(str(corpus), 1) == str(corpus)
+    three = repeated(str(corpus), 3)
+    data = open(corpus, "rb").read()
+    assert open(three, "rb").read() == data * 3 and not os.path.exists(three + ".partial")
+    mtime = os.stat(three).st_mtime_ns
+    assert repeated(str(corpus), 3) == three and os.stat(three).st_mtime_ns == mtime
