@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from pretrain.runtime import collective_device
+
 
 class StopRequest:
     def __init__(self, exit_after_minutes: Optional[float] = None):
@@ -31,8 +33,6 @@ class StopRequest:
         if self._deadline is not None and time.monotonic() > self._deadline:
             local = max(local, 0.5)
         if dist.is_initialized():
-            from pretrain.runtime import collective_device
-
             flag = torch.tensor([local], device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             local = flag.item()

@@ -18,11 +18,10 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-
-from pretrain.runtime import collective_device
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from pretrain.config import ExperimentConfig
+from pretrain.runtime import collective_device
 from pretrain.wrap import TrainingState
 
 
