@@ -26,6 +26,7 @@ import atexit
 import multiprocessing as mp
 import os
 import queue
+import signal
 import traceback
 from contextlib import contextmanager
 
@@ -175,13 +176,39 @@ def own_storage_alias(data: torch.Tensor) -> torch.Tensor:
     return alias.view(torch.bfloat16) if data.dtype == torch.bfloat16 else alias
 
 
+def helper_process_init() -> None:
+    """For processes a rank spawns to help it save. Slurm delivers SIGTERM/SIGUSR1 to every
+    process of the job step, and a spawned child would die of it while its rank saves (seen:
+    Megatron's write-results Manager killed as it started, the stop-save failing). The rank
+    decides when to stop; its helpers die with it (PR_SET_PDEATHSIG)."""
+    from data_pipeline.workers import die_with_parent
+
+    die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def start_write_results_queue() -> None:
+    """Start dist_checkpointing's write-results Manager (every save, sync or async, reports
+    through it) now, as a helper process; Megatron would spawn it at the first save, seconds
+    long and, under Slurm, exposed to a stop signal arriving meanwhile."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=helper_process_init)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def _writer_loop(requests, done, parent_pid: int) -> None:
     """The writer process: run each request's write function, report its index or error."""
-    from data_pipeline.workers import die_with_parent, get_unless_orphaned
+    from data_pipeline.workers import get_unless_orphaned
     # Imported now, while the trainer is still starting, not when the first save arrives.
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401
 
-    die_with_parent()
+    helper_process_init()
     # Training comes first: the writer (and the per-file processes it starts) gets the CPU
     # time training leaves; its work is mostly copying into the page cache and fsync.
     os.nice(10)

@@ -188,13 +188,10 @@ class Checkpointer:
         self.config, self.world_size, self.log = config, world_size, log
         self.root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
         self.queue = self.pool = None
+        if self.root is not None:
+            async_writer.start_write_results_queue()
         if config.checkpoint.async_save:
             self.queue, self.pool = async_writer.WriterQueue(), async_writer.StagingPool()
-            # The writer reports through a multiprocessing Manager queue whose start (a
-            # spawned process, seconds) would otherwise stall the first save.
-            from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-            filesystem_async._get_write_results_queue()
 
     def save(self, step: int, run_state) -> None:
         ckpt = self.config.checkpoint

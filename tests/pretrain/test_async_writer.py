@@ -106,3 +106,23 @@ def test_staging_room_is_shared_by_the_node_ranks(monkeypatch, env, expected):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert _ranks_on_this_node() == expected
+
+
+def test_write_results_manager_outlives_slurm_stop_signals():
+    """Slurm signals every process of a job step; the Manager dist_checkpointing reports
+    through must survive SIGTERM/SIGUSR1 while its rank saves (it died of one once)."""
+    import signal
+    import time
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain.async_writer import start_write_results_queue
+
+    start_write_results_queue()
+    results = filesystem_async._results_queue
+    pid = results._manager._process.pid
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        os.kill(pid, sig)
+    time.sleep(0.5)
+    results.put("written")
+    assert results.get(timeout=10) == "written"
