@@ -19,7 +19,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from models.config import ModelConfig
 from models.layout import LayoutError, ParallelLayout, validate_layout
-from pretrain.checkpoint import COMPLETE, complete_checkpoints, mark_complete, read_meta
+from pretrain.checkpointing.checkpointer import COMPLETE, complete_checkpoints, mark_complete, read_meta
 from pretrain.config import ExperimentConfig, dump_yaml
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -161,7 +161,7 @@ def staged_output(dst: Path, *, overwrite: bool, protect: tuple[Path, ...] = (),
 def write_training_meta(out: Path, *, model: ModelConfig, layout: ParallelLayout, world_size: int,
                         step: int, consumed_samples: int, has_optimizer: bool, config: ExperimentConfig,
                         provenance: dict) -> None:
-    """meta.json + config.yaml as pretrain.checkpoint writes them, then COMPLETE (last)."""
+    """meta.json + config.yaml as pretrain.checkpointing.checkpointer writes them, then COMPLETE (last)."""
     config = config.model_copy(update={"model": model, "parallel": layout})
     meta = {
         "step": step,

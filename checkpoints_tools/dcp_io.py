@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from checkpoints_tools.mapping import TP_SPLIT, model_key, stacked_axes
 from models.layout import ParallelLayout
-from pretrain.async_writer import own_storage_alias
+from pretrain.checkpointing.async_writer import own_storage_alias
 
 # What Megatron-Core writes next to the DCP files (dist_checkpointing/core.py).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,

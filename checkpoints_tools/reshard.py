@@ -50,7 +50,7 @@ from checkpoints_tools.common import (
 from checkpoints_tools.dcp_io import CheckpointReader, layout_chunks, read_common, write_checkpoint
 from checkpoints_tools.mapping import is_optimizer_key, stacked_axes
 from models.layout import ParallelLayout
-from pretrain.checkpoint import has_optimizer_state
+from pretrain.checkpointing.checkpointer import has_optimizer_state
 
 
 class LayerCache:

@@ -46,7 +46,7 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
     last pipeline stage's first tensor-parallel rank. Starts Megatron's parallel state
     (under torchrun / run_ranks for layouts over several ranks)."""
     from models.build import build_model_chunks
-    from pretrain.checkpoint import load_model_weights
+    from pretrain.checkpointing.checkpointer import load_model_weights
     from pretrain.runtime import init_distributed
 
     layout = layout or ParallelLayout()

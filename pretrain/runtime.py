@@ -58,7 +58,7 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     else:
-        from pretrain.cpu_support import enable_cpu_execution
+        from pretrain.megatron_fixes.cpu import enable_cpu_execution
 
         enable_cpu_execution()
     if not dist.is_initialized():
@@ -92,7 +92,7 @@ def _forked_children_die_with_rank() -> None:
     So every child forked from here dies with its parent."""
     global _fork_hook_installed
     if not _fork_hook_installed:
-        from data_pipeline.workers import die_with_parent
+        from data_pipeline.processes import die_with_parent
 
         os.register_at_fork(after_in_child=die_with_parent)
         _fork_hook_installed = True

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.slurm_cluster import (
+from launch.launchers.ci_cluster import (
     DEFAULT_DIR,
     ClusterPaths,
     SlurmUnavailable,
@@ -45,7 +45,7 @@ def slurm_env():
     missing = missing_binaries()
     if missing:
         _unavailable(f"Slurm is not installed (missing {', '.join(missing)}); "
-                     "`bash launch/ci_slurm.sh install` installs it (as root; .ci/run does)")
+                     "`bash launch/launchers/ci_slurm.sh install` installs it (as root; .ci/run does)")
     if os.geteuid() != 0:
         _unavailable("the test cluster's daemons (munged, slurmctld, slurmd) need root")
     paths = ClusterPaths(Path(DEFAULT_DIR))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from launch import plan as plan_mod
-from launch.candidate import Candidate
-from launch.devices import get_device
-from launch.memory import MemoryOptions, peak_memory
-from launch.plan import PlanError, SearchSpace, plan
+from launch.planner.candidate import Candidate
+from launch.planner.devices import get_device
+from launch.planner.memory import MemoryOptions, peak_memory
+from launch.planner.search import PlanError, SearchSpace, plan
 from pretrain.config import apply_overrides, validate_for_world
 from pretrain.recipes import get_recipe
 

@@ -73,7 +73,7 @@ def test_submit_tp2_pp2_runs_to_completion(uninterrupted):
 
 
 @pytest.mark.skipif(not HAS_CHECKPOINTING,
-                    reason="pretrain/checkpoint.py (checkpoint + preemption, issue 4) has not landed yet")
+                    reason="pretrain/checkpointing/checkpointer.py (checkpoint + preemption, issue 4) has not landed yet")
 def test_usr1_saves_requeues_resumes_and_matches_uninterrupted(slurm_env, tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     job_id = submit(cpu_job(run_dir, cache_dir) + TINY, slurm_env)

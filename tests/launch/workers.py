@@ -1,5 +1,5 @@
 """Rank functions for tests/distributed.run_ranks: build this rank's model for a case and
-report what memory it actually uses, for comparison with launch.memory.
+report what memory it actually uses, for comparison with launch.planner.memory.
 
 `measure(cases)` runs every case in one process group (one spawn per world size: start-up
 dominates on 2 cores), tearing Megatron's parallel state down between cases:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pretrain.checkpoint import CheckpointError, resolve_resume
+from pretrain.checkpointing.checkpointer import CheckpointError, resolve_resume
 from pretrain.cli import resolve_config
 from tests.distributed import REPO, RankFailure, run_ranks
 from tests.pretrain.workers import logged_losses
@@ -58,7 +58,7 @@ def test_exact_resume_interleaved_distributed_optimizer_async_save(tmp_path):
 @pytest.mark.slow
 def test_async_save_at_dp2_resumes_exactly_and_at_tp2(tmp_path):
     # DP2 with the distributed optimizer: each rank holds half of the optimizer state, which
-    # the save gathers on DP rank 0 (pretrain/optimizer_state.py) and stages for the writer.
+    # the save gathers on DP rank 0 (pretrain/checkpointing/optimizer_state.py) and stages for the writer.
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(2, tmp_path, "full", [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
     assert _train(2, tmp_path, "same", [ckpt, "checkpoint.resume=3"]) == full[3:]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from launch.candidate import Candidate
+from launch.planner.candidate import Candidate
 from models.config import ModelConfig
 from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params
 

@@ -33,9 +33,9 @@ from pretrain.metrics import (
     peak_memory_gb,
 )
 from pretrain.runtime import collective_device, init_distributed, is_logging_rank, world_size_from_env
-from pretrain import checkpoint
+from pretrain.checkpointing import checkpointer as checkpoint
 from pretrain.signals import StopRequest
-from pretrain.train import evaluate, is_finite, train_step
+from pretrain.step import evaluate, is_finite, train_step
 from pretrain.wrap import DTYPES, TrainingState, wrap_for_training
 
 

@@ -1,11 +1,11 @@
 """Checkpoint save/load benchmark: time, bytes written, and the training stall of async save.
 
     # tiny-llama, one rank, 3 repeats:
-    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3
+    torchrun --nproc-per-node 1 -m pretrain.checkpointing.benchmark --recipe tiny-llama --repeats 3
     # a ~1B-parameter Llama shape (hidden 2048, 18 layers, 32k vocab), fp32 + Adam state
     # (15 GB: staging an async save, or Megatron's load, would need as much again, so on a
     # 24 GB machine, sync saves only):
-    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3 --no-async --no-load \
+    torchrun --nproc-per-node 1 -m pretrain.checkpointing.benchmark --recipe tiny-llama --repeats 3 --no-async --no-load \
         model.num_layers=18 model.hidden_size=2048 model.ffn_hidden_size=5632 \
         model.num_attention_heads=16 model.num_query_groups=4 model.vocab_size=32000
 
@@ -71,7 +71,7 @@ def _async_save(run, root: Path, async_saver, step_fn) -> dict:
 
 
 def _one_repeat(run, root: Path, async_saver, step_fn, load: bool) -> dict:
-    from pretrain import checkpoint
+    from pretrain.checkpointing import checkpointer as checkpoint
 
     out = {}
     sync_cfg = run.config.model_copy(update={"checkpoint": run.config.checkpoint.model_copy(
@@ -94,7 +94,7 @@ def _one_repeat(run, root: Path, async_saver, step_fn, load: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.checkpoint_benchmark", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pretrain.checkpointing.benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="tiny-llama")
     parser.add_argument("--repeats", type=int, default=3)
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.cli import resolve_config
     from pretrain.data import chunk_iterators
     from pretrain.runtime import shutdown
-    from pretrain.train import train_step
-    from pretrain.trainer import setup
+    from pretrain.step import train_step
+    from pretrain.loop import setup
 
     base = ["data.demo=false", "data.mock=true", "schedule.train_steps=1000", "schedule.seq_length=64",
             "schedule.micro_batch_size=1", "schedule.global_batch_size=1", "schedule.eval_interval=0",
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         run = setup(config)
         iters = chunk_iterators(run.datasets.train, config, 0, len(run.datasets.train))
         step_fn = lambda: train_step(run.state, iters, config, run.num_microbatches, 1)
-        from pretrain.optimizer_state import distributed_optimizers
+        from pretrain.checkpointing.optimizer_state import distributed_optimizers
 
         for opt in distributed_optimizers(run.state.optimizer):
             for group in opt.optimizer.param_groups:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 # parameters); one tensor at a time keeps the benchmark within 24 GB.
                 group["foreach"] = False
         step_fn()  # Adam state exists
-        from pretrain.checkpoint import Checkpointer
+        from pretrain.checkpointing.checkpointer import Checkpointer
 
         async_cfg = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
             update={"dir": str(Path(tmp) / "async"), "async_save": True})})

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from pretrain import async_writer, optimizer_state
+from pretrain.checkpointing import async_writer, optimizer_state
 from pretrain.config import ExperimentConfig, dump_yaml
 from pretrain.runtime import collective_device
 

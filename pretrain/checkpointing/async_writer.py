@@ -181,7 +181,7 @@ def helper_process_init() -> None:
     process of the job step, and a spawned child would die of it while its rank saves (seen:
     Megatron's write-results Manager killed as it started, the stop-save failing). The rank
     decides when to stop; its helpers die with it (PR_SET_PDEATHSIG)."""
-    from data_pipeline.workers import die_with_parent
+    from data_pipeline.processes import die_with_parent
 
     die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -204,7 +204,7 @@ def start_write_results_queue() -> None:
 
 def _writer_loop(requests, done, parent_pid: int) -> None:
     """The writer process: run each request's write function, report its index or error."""
-    from data_pipeline.workers import get_unless_orphaned
+    from data_pipeline.processes import get_unless_orphaned
     # Imported now, while the trainer is still starting, not when the first save arrives.
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401
 
