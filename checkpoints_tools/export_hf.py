@@ -145,7 +145,7 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
     try:
         reader = CheckpointReader(src)
         dtype = dtype or reader.dtype("embedding.word_embeddings.weight")
-        imported = meta.get("converted_by") or {}
+        imported = meta.converted_by or {}
         architecture = architecture or imported.get("hf_architecture") or default_architecture(model)
         config = to_hf_config(model, architecture=architecture, dtype=dtype, bos_id=None, eos_id=None)
         check_checkpoint_tensors(reader, model)
@@ -162,7 +162,7 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
     weight_map = {}
     with staged_output(dst, overwrite=overwrite, protect=(src,), what="export") as out, \
             byte_progress(progress) as bar:
-        task = bar.add_task(f"export {meta.get('layout_name')} -> {architecture}", total=total)
+        task = bar.add_task(f"export {meta.layout_name} -> {architecture}", total=total)
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             write_safetensors(out / file, shard, convert, on_tensor=lambda n: bar.advance(task, n))
@@ -178,7 +178,7 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
         config.update(bos_token_id=bos, eos_token_id=eos)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos), indent=2) + "\n")
-    return {"output": str(Path(dst)), "architecture": architecture, "source_layout": meta.get("layout_name"),
+    return {"output": str(Path(dst)), "architecture": architecture, "source_layout": meta.layout_name,
             "dtype": str(dtype).replace("torch.", ""), "shards": len(shards), "bytes": total,
             "tokenizer": str(token_src) if token_src else None, "seconds": time.perf_counter() - start}
 

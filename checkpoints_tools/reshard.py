@@ -50,7 +50,6 @@ from checkpoints_tools.common import (
 from checkpoints_tools.dcp_io import CheckpointReader, layout_chunks, read_common, write_checkpoint
 from checkpoints_tools.mapping import is_optimizer_key, stacked_axes
 from models.layout import ParallelLayout
-from pretrain.checkpointing.checkpointer import has_optimizer_state
 
 
 class LayerCache:
@@ -158,7 +157,7 @@ def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optiona
     meta, model = checkpoint_model(src)
     world = check_layout(model, layout, world_size)
     reader = CheckpointReader(src)
-    has_optimizer = has_optimizer_state(meta) and any(is_optimizer_key(k) for k in reader.tensor_keys())
+    has_optimizer = meta.has_optimizer and any(is_optimizer_key(k) for k in reader.tensor_keys())
     keep_optimizer = has_optimizer and not drop_optimizer
     tensors = {}
     for key in reader.tensor_keys():
@@ -186,21 +185,21 @@ def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optiona
                 return chunk
 
             write_checkpoint(out, tensors, produce, objects, common)
-            if meta.get("layout_name") == layout.describe(world) and (src / "rng").is_dir():
+            if meta.layout_name == layout.describe(world) and (src / "rng").is_dir():
                 shutil.copytree(src / "rng", out / "rng")  # same ranks: their RNG streams still apply
             write_training_meta(
-                out, model=model, layout=layout, world_size=world, step=int(meta["step"]),
-                consumed_samples=int(meta.get("consumed_samples", 0)), has_optimizer=keep_optimizer,
+                out, model=model, layout=layout, world_size=world, step=meta.step,
+                consumed_samples=meta.consumed_samples, has_optimizer=keep_optimizer,
                 config=read_experiment_config(src, model),
                 # An imported model keeps what its export needs (HF architecture, BOS/EOS ids).
-                provenance={**{k: v for k, v in (meta.get("converted_by") or {}).items() if k.startswith("hf_")},
+                provenance={**{k: v for k, v in (meta.converted_by or {}).items() if k.startswith("hf_")},
                             "tool": "checkpoints_tools.reshard", "source": str(src.resolve()),
-                            "source_layout": meta.get("layout_name"),
+                            "source_layout": meta.layout_name,
                             "dtype": DTYPE_NAMES.get(dtype) if dtype else "unchanged"},
             )
     finally:
         cache.close()  # stop reading ahead (an error, or Ctrl-C)
-    return {"output": str(Path(dst)), "source_layout": meta.get("layout_name"), "layout": layout.describe(world),
+    return {"output": str(Path(dst)), "source_layout": meta.layout_name, "layout": layout.describe(world),
             "optimizer": keep_optimizer, "bytes": total, "seconds": time.perf_counter() - start}
 
 

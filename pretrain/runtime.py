@@ -1,7 +1,7 @@
 """Runtime start-up: rank discovery (torchrun or Slurm), process groups, Megatron parallel state.
 
 Order: read the environment -> pick the device and backend (NCCL on GPU, gloo on CPU) ->
-install CPU stand-ins if there is no GPU -> init_process_group -> parallel_state ->
+apply megatron_fixes (CPU stand-ins if there is no GPU) -> init_process_group -> parallel_state ->
 seeds (Python, numpy, torch, Megatron's tensor-parallel RNG tracker).
 """
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from models.layout import ParallelLayout
+from pretrain import megatron_fixes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +58,7 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-    else:
-        from pretrain.megatron_fixes.cpu import enable_cpu_execution
-
-        enable_cpu_execution()
+    megatron_fixes.apply(cpu=not on_gpu)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if on_gpu else "gloo",
@@ -70,14 +68,7 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tensor_parallel,
-            pipeline_model_parallel_size=layout.pipeline_parallel,
-            virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
-            context_parallel_size=layout.context_parallel,
-            expert_model_parallel_size=layout.expert_parallel,
-            expert_tensor_parallel_size=layout.expert_tensor_parallel,
-        )
+        parallel_state.initialize_model_parallel(**layout.megatron_parallel_sizes())
     set_seeds(seed)
     return env
 

@@ -178,6 +178,36 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert len(logged_losses(results)) == 1
 
 
+def test_resume_auto_follows_latest_and_falls_back_when_it_is_stale(tmp_path):
+    """Training (checkpoint.resume=auto) and the tools pick the same checkpoint, through the
+    one format module: the one `latest` names; the newest complete one, with a warning, when
+    `latest` names something missing or incomplete."""
+    from checkpoints_tools.common import resolve_checkpoint
+    from pretrain.checkpointing.checkpointer import training_meta
+    from pretrain.checkpointing.format import COMPLETE, mark_complete, step_dir_name, write_latest
+
+    ckpt = tmp_path / "ckpt"
+    config = resolve_config("tiny-llama", None, BASE + [f"checkpoint.dir={ckpt}"])
+    for step in (3, 6, 9):
+        (ckpt / step_dir_name(step)).mkdir(parents=True)
+        training_meta(config, step, 1).write(ckpt / step_dir_name(step))
+        mark_complete(ckpt / step_dir_name(step))
+    cases = [("step_00000006", "step_00000006", None),  # an older one on purpose: followed
+             ("step_00000012", "step_00000009", "names 'step_00000012', which is not a complete checkpoint"),
+             ("garbage\n\n", "step_00000009", "names 'garbage'")]
+    for pointer, expected, warning in cases:
+        write_latest(ckpt, pointer)
+        warnings = []
+        assert resolve_resume(config, warnings.append) == ckpt / expected
+        assert resolve_checkpoint(ckpt) == ckpt / expected
+        assert (warning is None and not warnings) or any(warning in w for w in warnings), warnings
+    (ckpt / "step_00000009" / COMPLETE).unlink()  # a damaged newest one
+    write_latest(ckpt, "step_00000009")
+    warnings = []
+    assert resolve_resume(config, warnings.append) == ckpt / "step_00000006"
+    assert any("incomplete checkpoint" in w for w in warnings) and any("not a complete" in w for w in warnings)
+
+
 @pytest.mark.parametrize("resume, message", [
     ("{tmp}/missing", "does not exist"),
     ("{tmp}", "is not a checkpoint"),
