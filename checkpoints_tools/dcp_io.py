@@ -170,7 +170,7 @@ def layout_chunks(key: str, shape: tuple[int, ...], layout: ParallelLayout, gate
     lead = stacked_axes(key)
     tp = layout.tensor_parallel
     if lead == 2:
-        tp = layout.expert_tensor_parallel or layout.tensor_parallel
+        tp = layout.expert_tp
     body = shape[lead:]
     dim, glu = TP_SPLIT.get(model_key(key), (None, False))
     gated = gated and glu

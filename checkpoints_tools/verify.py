@@ -46,6 +46,7 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
     last pipeline stage's first tensor-parallel rank. Starts Megatron's parallel state
     (under torchrun / run_ranks for layouts over several ranks)."""
     from models.build import build_model_chunks
+    from models.runtime import RuntimeOptions
     from pretrain.checkpointing.checkpointer import load_model_weights
     from pretrain.runtime import init_distributed
 
@@ -53,7 +54,7 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
     _, model = checkpoint_model(checkpoint)
     _single_process_env()
     init_distributed(layout, seed=seed)
-    chunks = build_model_chunks(model, layout, seed=seed, spec="auto")
+    chunks = build_model_chunks(model, layout, RuntimeOptions(seed=seed, spec="auto"))
     load_model_weights(checkpoint, chunks)
     return forward_logits(chunks, tokens, layout)
 
