@@ -29,7 +29,6 @@ from launch.launchers.ci_cluster import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-HAS_CHECKPOINTING = (REPO / "pretrain" / "checkpoint.py").is_file()
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 

@@ -10,7 +10,7 @@ matches the published analysis' assumptions (GPT style: MHA, GeLU, LayerNorm; fp
 mixed-precision copies; unfused attention): no parallelism, TP, TP + SP, selective and
 full recompute, within 5%. Outside those assumptions the portable CPU path saves more than
 the fused GPU path the planner models (fp32 norm internals and softmax under bf16, unfused
-SwiGLU, GQA keys/values expanded to every head): /work/shared/notes/launch-planner-validation.md.
+SwiGLU, GQA keys/values expanded to every head), so those cases are not compared here.
 """
 
 from __future__ import annotations
