@@ -90,20 +90,21 @@ def _missing(reason: str) -> None:
     pytest.skip(reason)
 
 
+def _packaged_tokenizer(package: str, relative: str, pin: str) -> str:
+    path = _package_file(package, relative)
+    if path is None:
+        _missing(f"{package} is not installed (pip install --no-deps {pin})")
+    return path
+
+
 @pytest.fixture(scope="session")
 def mistral_model() -> str:
-    path = _package_file("mistral_common", "data/tokenizer.model.v1")
-    if path is None:
-        _missing("mistral-common is not installed (pip install --no-deps mistral-common==1.13.1)")
-    return path
+    return _packaged_tokenizer("mistral_common", "data/tokenizer.model.v1", "mistral-common==1.13.1")
 
 
 @pytest.fixture(scope="session")
 def llama3_model() -> str:
-    path = _package_file("llama_models", "llama3/tokenizer.model")
-    if path is None:
-        _missing("llama-models is not installed (pip install --no-deps llama-models==0.3.0)")
-    return path
+    return _packaged_tokenizer("llama_models", "llama3/tokenizer.model", "llama-models==0.3.0")
 
 
 @pytest.fixture(scope="session")
