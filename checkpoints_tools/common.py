@@ -24,6 +24,7 @@ from pretrain.checkpointing.format import (
     CONFIG,
     CheckpointError,
     CheckpointMeta,
+    check_metadata,
     find_resumable,
     is_complete,
     looks_like_checkpoint,
@@ -47,9 +48,14 @@ def resolve_checkpoint(path: Path) -> Path:
         if not is_complete(path):
             raise ToolError(f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save crashed); "
                             "use an earlier step")
-        return path
-    found = find_resumable(path, warn=lambda message: print(message, file=sys.stderr))
+        found = path
+    else:
+        found = find_resumable(path, warn=lambda message: print(message, file=sys.stderr))
     if found is not None:
+        try:
+            check_metadata(found)  # unpickled the safe way, before anything else reads it
+        except CheckpointError as exc:
+            raise ToolError(str(exc)) from None
         return found
     raise ToolError(f"{path} is not a training checkpoint: expected a step_XXXXXXXX directory "
                     f"(with meta.json and {COMPLETE}) or a checkpoint.dir holding one")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import pickle
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from checkpoints_tools.mapping import TP_SPLIT, model_key, stacked_axes
 from models.layout import ParallelLayout
 from pretrain.checkpointing.async_writer import own_storage_alias
+from pretrain.megatron_fixes.checkpointing import UnsafeCheckpoint, read_metadata_safely
 
 # What Megatron-Core writes next to the DCP files (dist_checkpointing/core.py).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -87,7 +89,14 @@ class CheckpointReader:
             raise CheckpointFormatError(
                 f"{self.path} has no .metadata: not a torch_dist checkpoint (or its save did not finish)")
         self._reader = FileSystemReader(str(self.path))
-        self.metadata = self._reader.read_metadata()
+        try:
+            # Not the reader's own read_metadata: that one unpickles with no restriction.
+            self.metadata = read_metadata_safely(self.path / ".metadata")
+        except UnsafeCheckpoint as exc:
+            raise CheckpointFormatError(f"{self.path}/.metadata: {exc}") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+            raise CheckpointFormatError(f"{self.path}/.metadata is damaged ({type(exc).__name__}: {exc}); "
+                                        "use another checkpoint") from None
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._check_files()
 

@@ -60,12 +60,16 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     megatron_fixes.apply(cpu=not on_gpu)
     if not dist.is_initialized():
+        # One process needs no rendezvous: an in-memory store binds no port, so any number of
+        # single-process runs (and tests) share a machine without EADDRINUSE.
+        rendezvous = (dict(store=dist.HashStore()) if env.source == "single"
+                      else dict(init_method=f"tcp://{env.master_addr}:{env.master_port}"))
         dist.init_process_group(
             backend="nccl" if on_gpu else "gloo",
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
+            **rendezvous,
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(**layout.megatron_parallel_sizes())

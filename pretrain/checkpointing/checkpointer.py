@@ -35,6 +35,7 @@ from pretrain.checkpointing.format import (
     CONFIG,
     CheckpointError,
     CheckpointMeta,
+    check_metadata,
     complete_checkpoints,
     find_resumable,
     is_complete,
@@ -258,8 +259,10 @@ def resolve_resume(config: ExperimentConfig, log) -> Optional[Path]:
 
 
 def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
-    """Refuse a checkpoint of a different model; returns its metadata."""
+    """Refuse a checkpoint of a different model, or one whose shard metadata is unsafe or
+    damaged (before any process group); returns its metadata."""
     meta = CheckpointMeta.read(path)
+    check_metadata(path)
     mine = config.model.model_dump()
     diffs = [f"{k}: checkpoint {meta.model.get(k)!r} vs config {v!r}"
              for k, v in mine.items() if meta.model.get(k) != v]

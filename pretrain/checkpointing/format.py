@@ -96,6 +96,25 @@ class CheckpointMeta:
         fsync_write(Path(directory) / META, json.dumps(dataclasses.asdict(self), indent=1))
 
 
+def check_metadata(directory: Path) -> None:
+    """Read the torch_dist `.metadata` the safe way (pretrain.megatron_fixes.checkpointing):
+    CheckpointError if it is missing, damaged, or refers to anything but checkpoint metadata
+    (a file crafted to run code when unpickled)."""
+    import pickle
+
+    from pretrain.megatron_fixes.checkpointing import UnsafeCheckpoint, read_metadata_safely
+
+    path = Path(directory) / ".metadata"
+    try:
+        read_metadata_safely(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} has no .metadata: its shards are incomplete; use an earlier step") from None
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); use an earlier step") from None
+
+
 def fsync_write(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)

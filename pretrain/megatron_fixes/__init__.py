@@ -41,7 +41,7 @@ def quiet_cpu_fallback_warnings() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed",
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex are|Apex is) not installed",
                                 category=UserWarning)
 
 

@@ -15,12 +15,24 @@
    failing). `start_write_results_queue()` starts it when the checkpointer is made, as a
    helper that ignores stop signals and dies with its rank, and sets the module global the
    function returns from then on.
+3. Loading never runs code from a checkpoint. torch's `FileSystemReader.read_metadata`
+   (distributed/checkpoint/filesystem.py, `pickle.load`) unpickles a checkpoint's `.metadata`
+   with no restriction, and `DefaultLoadPlanner.load_bytes` (default_planner.py) unpickles
+   every stored object (Megatron's ShardedObjects, e.g. `_extra_state`) with
+   `torch.load(weights_only=False)`: a crafted file ran code on resume, reshard and export.
+   `read_metadata` now unpickles with `MetadataUnpickler`, which admits only the DCP metadata
+   classes a checkpoint's .metadata holds, and `load_bytes` with torch's weights-only
+   unpickler. checkpoints_tools read `.metadata` through `read_metadata_safely` (their reader
+   is torch's FileSystemReader too) and never unpickle stored objects. `common.pt` and our
+   `rng/*.pt` are read with `weights_only=True` (torch's default since 2.6) already.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing as mp
+import pickle
 from typing import Callable, Optional
 
 import torch
@@ -32,7 +44,75 @@ SOURCES = {
     "torch.distributed.checkpoint.default_planner:DefaultSavePlanner.resolve_data": "852bcff10b56dac7",
     # Creates the Manager lazily from the module global we set.
     "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue": "349269cbdd569d41",
+    # Replaced: plain pickle.load of .metadata; torch.load(weights_only=False) of stored objects.
+    "torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata": "8586ce344a523602",
+    "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner.load_bytes": "666701f9808c4bc2",
 }
+
+_DCP = "torch.distributed.checkpoint"
+# Every global a torch_dist `.metadata` refers to (found by tracing the unpickling of
+# checkpoints of every layout this project writes, and of checkpoints_tools' output).
+METADATA_GLOBALS = frozenset(
+    [(f"{_DCP}.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")]
+    + [(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")]
+    + [(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+       ("collections", "OrderedDict")]
+)
+
+
+class UnsafeCheckpoint(pickle.UnpicklingError):
+    """A checkpoint file refers to something a checkpoint never holds (maybe crafted to run code)."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata`, admitting only the classes such a file holds (and torch
+    dtypes): anything else is refused before it is called."""
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(
+            f"refusing to load {module}.{name} from a checkpoint's .metadata: it holds only checkpoint "
+            "metadata, so this file is damaged or crafted to run code; do not use this checkpoint")
+
+
+def read_metadata_safely(path) -> "object":
+    """The `torch.distributed.checkpoint.metadata.Metadata` in file `path` (a `.metadata`)."""
+    with open(path, "rb") as f:
+        return MetadataUnpickler(f).load()
+
+
+def _install_safe_loading() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = MetadataUnpickler(metadata_file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        # The upstream body with weights_only=True: tensors, numbers, strings, containers.
+        import torch
+        from torch.distributed.checkpoint._traverse import set_element
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+    FileSystemReader.read_metadata = read_metadata
+    DefaultLoadPlanner.load_bytes = load_bytes
 # (key, chunk offset), tensor -> the tensor to write instead; None = write as is.
 _CONVERT: list[Optional[Callable]] = [None]
 
@@ -82,3 +162,4 @@ def start_write_results_queue(initializer: Callable) -> None:
 def apply() -> None:
     expect_sources("checkpointing", SOURCES)
     _install_resolve_data_hook()
+    _install_safe_loading()
