@@ -37,7 +37,8 @@ def test_exact_resume_and_reshard_on_load(tmp_path):
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(4, tmp_path, "full", TP2PP2 + [ckpt, "checkpoint.resume=none"])
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"
-    resume = [ckpt, "checkpoint.resume=3"]
+    # Rewinding to step 3 in the same checkpoint.dir: step_6 of the run before is moved aside.
+    resume = [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"]
     same = _train(4, tmp_path, "same", TP2PP2 + resume)
     assert same == full[3:], "same-layout resume must be bitwise identical"
     for name, nproc, layout in [("TP1xPP1", 1, []), ("TP1xPP2xDP2", 4, ["parallel.pipeline_parallel=2"])]:
@@ -52,18 +53,19 @@ def test_exact_resume_interleaved_distributed_optimizer_async_save(tmp_path):
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(2, tmp_path, "full", layout + [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"
-    resumed = _train(2, tmp_path, "resumed", layout + [ckpt, "checkpoint.resume=3"])
+    resumed = _train(2, tmp_path, "resumed", layout + [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"])
     assert resumed == full[3:]
 
 
 @pytest.mark.slow
 def test_async_save_at_dp2_resumes_exactly_and_at_tp2(tmp_path):
     # DP2 with the distributed optimizer: each rank holds half of the optimizer state, which
-    # the save gathers on DP rank 0 (pretrain/checkpointing/optimizer_state.py) and stages for the writer.
+    # the save gathers on DP rank 0 (pretrain/megatron_fixes/optimizer_save.py) and stages for the writer.
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(2, tmp_path, "full", [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
-    assert _train(2, tmp_path, "same", [ckpt, "checkpoint.resume=3"]) == full[3:]
-    got = _train(2, tmp_path, "tp2", ["parallel.tensor_parallel=2", ckpt, "checkpoint.resume=3"])
+    rewind = [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"]
+    assert _train(2, tmp_path, "same", rewind) == full[3:]
+    got = _train(2, tmp_path, "tp2", ["parallel.tensor_parallel=2", *rewind])
     for step, (a, b) in enumerate(zip(got, full[3:]), start=4):
         assert abs(a - b) <= 1e-5 * abs(b), f"TP2 step {step}: {a} vs {b}"
 
