@@ -32,6 +32,9 @@ class MachineFacts:
     gpu_name: Optional[str] = None
     cuda: Optional[str] = None  # torch.version.cuda
     te_version: Optional[str] = None  # None = Transformer Engine does not import
+    # APEX's fused_weight_gradient_mlp_cuda: Megatron-Core's own (non-TE) linear layers, the
+    # output layer among them, need it for gradient_accumulation_fusion.
+    apex_wgrad: bool = False
 
     @property
     def has_gpu(self) -> bool:
@@ -60,8 +63,11 @@ def probe_machine() -> MachineFacts:
         te_version = getattr(transformer_engine, "__version__", None) or version("transformer-engine")
     except Exception:  # not installed, or its CUDA libraries do not load: no `te` spec here
         te_version = None
+    from importlib.util import find_spec
+
     return MachineFacts(capability=(props.major, props.minor), gpu_name=props.name,
-                        cuda=torch.version.cuda, te_version=te_version)
+                        cuda=torch.version.cuda, te_version=te_version,
+                        apex_wgrad=find_spec("fused_weight_gradient_mlp_cuda") is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +196,10 @@ def machine_problems(runtime: RuntimeOptions, spec: str, facts: MachineFacts) ->
             if getattr(runtime, key):
                 problems.append(f"runtime.{key}=true needs the Transformer Engine spec (runtime.spec=te on a GPU "
                                 "with Transformer Engine); remove it on this machine")
+    elif runtime.gradient_accumulation_fusion and not facts.apex_wgrad:
+        problems.append("runtime.gradient_accumulation_fusion=true needs APEX's fused_weight_gradient_mlp_cuda "
+                        "extension (Megatron-Core's output layer is not a TE module: tensor_parallel/layers.py "
+                        "refuses it without); it does not import here: remove the key or install APEX with --cuda_ext")
     return problems
 
 

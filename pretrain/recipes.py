@@ -102,11 +102,12 @@ SPEED_VARIANTS: dict[str, list[str]] = {
     # Larger buckets: fewer, bigger collectives (Megatron's default is max(40M, 1M x DP) params).
     "bucket-100m": ["optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=100000000"],
     # Transformer Engine / Megatron fused kernels.
-    "fused": ["runtime.fused_rope=true", "runtime.fused_swiglu=true", "runtime.fused_cross_entropy=true",
-              "runtime.gradient_accumulation_fusion=true"],
+    "fused": ["runtime.fused_rope=true", "runtime.fused_swiglu=true", "runtime.fused_cross_entropy=true"],
     "fused+overlap": ["runtime.fused_rope=true", "runtime.fused_swiglu=true", "runtime.fused_cross_entropy=true",
-                      "runtime.gradient_accumulation_fusion=true", "optimizer.overlap_grad_reduce=true",
-                      "optimizer.overlap_param_gather=true"],
+                      "optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true"],
+    # Weight gradients accumulated into the fp32 main grads inside the GEMM (needs APEX's
+    # fused_weight_gradient_mlp_cuda for Megatron-Core's output layer; validation says so).
+    "wgrad-fusion": ["runtime.gradient_accumulation_fusion=true"],
     # FP8 runs only: weights kept and all-gathered in FP8.
     "fp8-param-gather": ["runtime.fp8_param_gather=true"],
 }

@@ -61,6 +61,10 @@ def test_machine_problems_suggest_what_this_gpu_runs():
     assert machine_problems(runtime, "te", B200) == []
     assert machine_problems(runtime, "portable", B200) == [
         "runtime.fp8 needs the Transformer Engine spec; set runtime.spec=te or auto on a GPU with Transformer Engine"]
+    wgrad = RuntimeOptions(gradient_accumulation_fusion=True)
+    (problem,) = machine_problems(wgrad, "te", H100)
+    assert problem.startswith("runtime.gradient_accumulation_fusion=true needs APEX's fused_weight_gradient_mlp_cuda")
+    assert machine_problems(wgrad, "te", MachineFacts(**{**H100.__dict__, "apex_wgrad": True})) == []
     fused = RuntimeOptions(fused_rope=True, fused_swiglu=False)
     assert machine_problems(fused, "portable", CPU) == [
         "runtime.fused_rope=true needs the Transformer Engine spec (runtime.spec=te on a GPU with Transformer "
