@@ -2,6 +2,8 @@
 # One entry point for the README's quick start.
 #   bash dev.sh demo   -> set up .venv, then train tiny-llama on CPU (TP2 x PP2, 4 gloo ranks)
 #   bash dev.sh test   -> set up .venv, then run the test suite
+#   bash dev.sh gpu-test -> on a GPU machine: a venv over the machine's CUDA torch, the gpu
+#                           extra (Transformer Engine), then the gpu-marked tests
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -35,8 +37,46 @@ case "${1:-}" in
         export PRETRAIN_REQUIRE_REAL_TEXT=${PRETRAIN_REQUIRE_REAL_TEXT:-1}
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
+    gpu-test)
+        shift
+        # The machine's Python with a CUDA build of torch (GPU_PYTHON, default python3) is kept:
+        # the venv sees it (--system-site-packages) and every other requirement is installed
+        # without torch's CPU pin. Transformer Engine's torch extension compiles against that
+        # torch (no build isolation). Offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=<wheel dir>.
+        base=${GPU_PYTHON:-python3}
+        if ! "$base" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+            echo "error: bash dev.sh gpu-test needs a CUDA GPU and a CUDA build of torch in $base (set GPU_PYTHON)" >&2
+            exit 2
+        fi
+        GVENV=${GPU_VENV:-.venv-gpu}
+        [ -x "$GVENV/bin/python" ] || "$base" -m venv --system-site-packages "$GVENV"
+        py="$GVENV/bin/python"
+        "$py" - > "$GVENV/requirements.txt" <<'PYEOF'
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for req in project["dependencies"] + extras["test"]:
+    if not req.startswith("torch"):
+        print(req)
+PYEOF
+        "$py" -m pip install -q -r "$GVENV/requirements.txt"
+        "$py" - > "$GVENV/requirements-gpu.txt" <<'PYEOF'
+try:
+    import tomllib
+except ImportError:
+    import tomli as tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))
+PYEOF
+        MAX_JOBS=${MAX_JOBS:-$(nproc)} NVTE_FRAMEWORK=pytorch \
+            "$py" -m pip install -q --no-build-isolation -r "$GVENV/requirements-gpu.txt"
+        # The tests import this checkout (and hand it to their ranks on PYTHONPATH): no install.
+        exec "$py" -m pytest -q -m gpu -rs "$@"
+        ;;
     *)
-        echo "usage: bash dev.sh demo|test [extra args]" >&2
+        echo "usage: bash dev.sh demo|test|gpu-test [extra args]" >&2
         exit 2
         ;;
 esac

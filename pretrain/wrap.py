@@ -35,14 +35,21 @@ class TrainingState:
 
 
 def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -> TrainingState:
-    opt = config.optimizer
-    dtype = config.runtime.torch_dtype
+    opt, runtime = config.optimizer, config.runtime
+    dtype = runtime.torch_dtype
     tconfig = get_model_config(chunks[0])
+    # MXFP8 weights all-gathered in FP8 reuse the gradient buffer for the gather (what
+    # Megatron-Bridge's MXFP8 recipe sets; without it each bucket needs a second buffer).
+    reuse_grad_buf = runtime.fp8_recipe_name == "mxfp8" and runtime.fp8_param_gather
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=opt.overlap_grad_reduce,
+        overlap_param_gather=opt.overlap_param_gather,
+        bucket_size=opt.bucket_size,
         use_distributed_optimizer=opt.distributed,
         check_for_nan_in_grad=False,
+        fp8_param_gather=runtime.fp8_param_gather,
+        reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buf,
     )
     model = [
         DistributedDataParallel(
@@ -68,6 +75,11 @@ def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -
             params_dtype=dtype,
             initial_loss_scale=opt.initial_loss_scale,
             use_distributed_optimizer=opt.distributed,
+            # The distributed optimizer shards FP8 weights differently per recipe (MXFP8 and
+            # block-scaled tensors cannot be viewed flat) and must know the recipe.
+            fp8_recipe=runtime.fp8_recipe_name,
+            reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buf,
+            overlap_param_gather=opt.overlap_param_gather,
         ),
         model,
     )

@@ -23,6 +23,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -48,7 +49,8 @@ from pretrain.checkpointing.format import (
 from pretrain.config import ExperimentConfig, dump_yaml
 from pretrain.runtime import collective_device
 
-__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "load", "load_model_weights"]
+__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "load", "load_model_weights",
+           "precision_change"]
 
 # The optimizer format that loads at any TP/PP/DP layout. 0.16.1's other reshardable
 # format, "fully_sharded_model_space", fails on flattened ranges ("ShardedTensor.
@@ -112,6 +114,15 @@ def _staging_fits(pool, state: dict, log) -> bool:
     return False
 
 
+def _gather_params(run_state) -> None:
+    """With optimizer.overlap_param_gather, an optimizer step updates only each rank's own
+    shard of the weights; the others arrive with the next forward's all-gather, after this
+    save. Gather them now, synchronously (Megatron-LM's force_param_sync before a save)."""
+    for chunk in run_state.model:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
     """Write model/optimizer shards and RNG into the temporary directory.
 
@@ -127,6 +138,7 @@ def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
             shutil.rmtree(tmp)  # a crashed earlier attempt at this step
         tmp.mkdir(parents=True)
     dist.barrier()
+    _gather_params(run_state)
     state = _sharded_state(run_state, is_loading=False)
     state["scheduler"] = run_state.scheduler.state_dict()
     if pool is not None and not _staging_fits(pool, state, log):
@@ -149,6 +161,7 @@ def training_meta(config: ExperimentConfig, step: int, world_size: int) -> Check
         step=step, consumed_samples=samples, consumed_tokens=samples * config.schedule.seq_length,
         world_size=world_size, layout=config.parallel.model_dump(),
         layout_name=config.parallel.describe(world_size), model=config.model.model_dump(),
+        precision=config.runtime.precision(),
     )
 
 
@@ -257,6 +270,23 @@ def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
     return meta
 
 
+def precision_change(path: Path, meta: CheckpointMeta, config: ExperimentConfig) -> Optional[str]:
+    """A warning if the checkpoint was trained with other precision settings (dtype, FP8 format,
+    recipe or its settings) than this run's; None if they agree or the checkpoint does not say.
+    Warned, not refused: changing the recipe mid-run is legitimate (e.g. BF16 warm-up, then
+    FP8), but the loss curve is then not the one an uninterrupted run would give."""
+    if meta.precision is None:
+        return None
+    now = config.runtime.precision()
+    keys = sorted(set(meta.precision) | set(now))
+    diffs = [f"{k} {meta.precision.get(k)!r} -> {now.get(k)!r}" for k in keys if meta.precision.get(k) != now.get(k)]
+    if not diffs:
+        return None
+    return (f"warning: checkpoint {path} was trained with other precision settings than this run "
+            f"({'; '.join(diffs)}); resuming from its weights and optimizer state anyway: the loss "
+            "may jump and will not match an uninterrupted run")
+
+
 def load_model_weights(path: Path, chunks: list) -> None:
     """Load only the model weights of a checkpoint into (unwrapped) chunks at this layout."""
     loaded = dist_checkpointing.load(_model_state(chunks), str(path))
@@ -281,6 +311,9 @@ def _load_model_only(path: Path, run_state, meta: CheckpointMeta, log) -> int:
 def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) -> int:
     """Load model, optimizer, scheduler (and RNG if the layout is unchanged); returns the step."""
     meta = check_compatible(path, config)
+    warning = precision_change(path, meta, config)
+    if warning:
+        log(warning)
     if not meta.has_optimizer:
         return _load_model_only(path, run_state, meta, log)
     loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
