@@ -39,6 +39,7 @@ from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
 from models.moe import with_layout_invariant_router
 from models.portable import PortableNorm
+from models.rope import apply_llama3_scaling
 
 SpecName = Literal["auto", "te", "portable"]
 
@@ -242,6 +243,9 @@ def build_model_chunks(
             rope_scaling_factor=model.rope_scaling_factor,
             vp_stage=vp,
         )
+        if model.position_embedding == "rope":
+            # GPTModel hands RotaryEmbedding only the scaling factor (see models/rope.py).
+            apply_llama3_scaling(gpt.rotary_pos_emb, model)
         if gpt.pre_process and model.position_embedding == "learned_absolute":
             # Megatron-Core creates learned position embeddings as a plain fp32
             # torch.nn.Embedding (Megatron-LM casts them through Float16Module, which we do
