@@ -9,9 +9,10 @@
 Writes config.json (LlamaForCausalLM, MistralForCausalLM with --architecture,
 MixtralForCausalLM for MoE models, or GPT2LMHeadModel for LayerNorm + GELU + learned-position
 models such as tiny-gpt), generation_config.json, safetensors shards with
-model.safetensors.index.json, and the tokenizer files (tokenizer.model + config for
-SentencePiece, or tokenizer.json) with the BOS/EOS ids in both configs. Padded vocab rows
-are dropped; with tied embeddings there is no lm_head (tie_word_embeddings=true).
+model.safetensors.index.json, and the tokenizer files (SentencePiece: tokenizer.model, its
+tokenizer.json conversion and config; or tokenizer.json) with the BOS/EOS ids in both
+configs. Padded vocab rows are dropped; with tied embeddings there is no lm_head
+(tie_word_embeddings=true).
 The tokenizer is taken from --tokenizer, else from the checkpoint's `tokenizer/` folder
 (written by import_hf), else from its config.yaml (`data.tokenizer`, or the demo
 corpus' SentencePiece model for `data.demo=true`).
@@ -194,6 +195,10 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
                 bos, eos = export_tokenizer(token_src, out, vocab_size=model.vocab_size, max_length=model.max_seq_length)
             except HFConfigError as exc:
                 raise ToolError(str(exc)) from None
+            if not (out / "tokenizer.json").is_file():
+                warn("tokenizer.json not written (it needs transformers, or its conversion of the SentencePiece "
+                     "model did not reproduce SentencePiece): loaders that ignore tokenizer_config.json's "
+                     "LlamaTokenizer, e.g. vLLM for Mistral/Mixtral models, may tokenize prompts differently")
         config.update(bos_token_id=bos, eos_token_id=eos)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos), indent=2) + "\n")

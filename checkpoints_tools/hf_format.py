@@ -200,6 +200,23 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
 # --- tokenizer files ---------------------------------------------------------------------
 
 
+def auto_tokenizer(folder: Path):
+    """transformers' tokenizer for an HF folder, of the class its tokenizer_config.json names.
+
+    Not AutoTokenizer alone: for model_type mistral/mixtral, transformers 5.23 imports its
+    mistral-common integration before honouring mistral_format=False
+    (tokenization_auto._use_mistral_format), and the mistral-common in the project's .venv
+    (installed --no-deps, for its tokenizer data files) fails to import (no jsonschema).
+    """
+    import transformers
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    file = Path(folder) / "tokenizer_config.json"
+    name = json.loads(file.read_text()).get("tokenizer_class") if file.is_file() else None
+    cls = tokenizer_class_from_name(name) if name else None
+    return (cls or transformers.AutoTokenizer).from_pretrained(str(folder))
+
+
 def find_tokenizer(spec: Optional[str]) -> Optional[Path]:
     """A SentencePiece .model file or a directory/file with tokenizer.json, from a spec
     (our data.tokenizer format); None for specs we cannot ship (byte, tiktoken:)."""
@@ -264,7 +281,38 @@ def _export_sentencepiece(model_file: Path, out: Path, *, vocab_size: int, max_l
               "add_eos_token": False, "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    _write_tokenizer_json(out, sp, add_bos=ids["bos"] >= 0)
     return (ids["bos"] if ids["bos"] >= 0 else None), (ids["eos"] if ids["eos"] >= 0 else None)
+
+
+# Checked after conversion: inner and trailing spaces, tabs, newlines, digits, punctuation,
+# non-ASCII. Not leading spaces: there transformers' Llama tokenizer (tokenizer.model alone
+# too) and SentencePiece differ by design (one "▁" fewer), whatever file ships.
+_TOKENIZER_PROBE = ("In the beginning God created the heaven and the earth.", "The quick brown fox, 1234 times!",
+                    "two  spaces\tand a tab\nand a newline ", "naïve café — ünïcödé ☃", "x")
+
+
+def _write_tokenizer_json(out: Path, sp, *, add_bos: bool) -> bool:
+    """Also ship the SentencePiece model as tokenizer.json (transformers' Llama conversion).
+
+    Why: for model_type mistral/mixtral, transformers (so vLLM) loads a generic
+    TokenizersBackend instead of the LlamaTokenizer our tokenizer_config.json names, and
+    converting tokenizer.model that way drops the word-start marker of the first word
+    ("The" -> "T", "he" instead of "▁The"): vLLM served our Mixtral exports with other prompt
+    tokens than transformers. With a tokenizer.json every loader reads the same tokenizer.
+    Kept only when it encodes the probe texts exactly as SentencePiece does; returns whether
+    it was written (False also without transformers, which does the conversion).
+    """
+    try:
+        import transformers
+    except ImportError:
+        return False
+    tokenizer = transformers.LlamaTokenizer.from_pretrained(str(out))
+    expected = [([sp.bos_id()] if add_bos else []) + sp.encode(text) for text in _TOKENIZER_PROBE]
+    if [tokenizer(text)["input_ids"] for text in _TOKENIZER_PROBE] != expected:
+        return False
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    return True
 
 
 def _check_vocab(tokenizer_size: int, vocab_size: int, where: Path) -> None:

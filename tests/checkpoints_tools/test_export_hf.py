@@ -206,3 +206,19 @@ def test_export_warns_when_vllm_cpu_cannot_serve_the_head_size(trained, tmp_path
     code = cli.main([str(trained["untied"].latest), str(tmp_path / "c"), "--no-tokenizer", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 0 and err.startswith("warning: head_dim 16") and (tmp_path / "c" / "config.json").is_file()
+
+
+def test_sentencepiece_export_ships_an_equivalent_tokenizer_json(trained, tmp_path):
+    """For model_type mixtral/mistral, transformers (and so vLLM) ignores tokenizer_config's
+    LlamaTokenizer and converts tokenizer.model generically, losing the first word's "▁"
+    ("The" -> "T" "he"); vLLM then served our Mixtral exports other prompt tokens than
+    transformers. The export ships tokenizer.json, which every loader reads the same."""
+    import sentencepiece
+    from tokenizers import Tokenizer
+
+    out = tmp_path / "hf"
+    export_hf(trained["moe"].latest, out, tokenizer=SP_MODEL)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(SP_MODEL))
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in ["The quick brown fox jumps over the lazy dog because", "And the LORD spake unto Moses, saying,"]:
+        assert tokenizer.encode(text).ids == [sp.bos_id()] + sp.encode(text)
