@@ -7,7 +7,8 @@
      `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with
      our MoE router (`models.moe`).
   3. one `GPTModel` per virtual pipeline stage, each with the pre/post-process flags of
-     its position in the pipeline, built on the current device.
+     its position in the pipeline, built on the current device; Llama-3.1 RoPE scaling
+     completed with all four of its values (`models.rope`: GPTModel passes only the factor).
   4. expert weights marked expert-parallel at every EP size (same optimizer structure).
   5. `initialize_weights`: layout-invariant values (seed, global name) -> same start for
      every layout.
