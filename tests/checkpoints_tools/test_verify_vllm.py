@@ -100,14 +100,14 @@ def test_exporter_warns_about_the_head_sizes_vllm_rejects(vllm_run):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_refused_folders_name_the_file_and_key(vllm_env, trained, exports, tmp_path):
-    """vLLM's error in one line plus what is at fault; the good folder beside them still runs."""
+    """vLLM's error in one line plus what is at fault; the first refusal does not stop the second."""
     bad_arch = shutil.copytree(exports["llama-gqa"], tmp_path / "bad-arch")
     config = json.loads((bad_arch / "config.json").read_text())
     (bad_arch / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
     head16 = tmp_path / "head16"  # tiny-llama's head_dim 16: the exporter warns, vLLM's CPU backend refuses
     with pytest.warns(UserWarning, match="head_dim 16"):
         export_hf(trained["untied"].latest, head16, with_tokenizer=False)
-    code, stdout, stderr = _verify(bad_arch, head16, exports["tied-mqa"])
+    code, stdout, stderr = _verify(bad_arch, head16)
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 2, stderr[-5000:]
     assert errors[0].startswith(f"error: {bad_arch}: vLLM refused it: Model architectures ['FooForCausalLM'] are "
@@ -116,16 +116,16 @@ def test_refused_folders_name_the_file_and_key(vllm_env, trained, exports, tmp_p
     assert errors[1].startswith(f"error: {head16}: vLLM refused it: RuntimeError: Unsupported CPU attention "
                                 "configuration: head_dim=16")
     assert 'at fault: config.json "head_dim" (16)' in errors[1] and "32, 64, 80" in errors[1]
-    assert [r["passed"] for r in _report(stdout)["folders"]] == [False, False, True]
+    assert [r["passed"] for r in _report(stdout)["folders"]] == [False, False]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_mismatch_exits_1_with_the_table(vllm_env, exports):
     code, stdout, stderr = _verify(exports["llama-gqa"], "--tolerance", "1e-12", "--max-tokens", "4",
-                                   json_report=False)
+                                   "--prompt", "In the beginning", json_report=False)
     assert code == 1, stderr[-3000:]
-    assert "vLLM 0.32.0 (cpu, subprocess" in stdout and "FAIL" in stdout and "12/12" in stdout
+    assert "vLLM 0.32.0 (cpu, subprocess" in stdout and "FAIL" in stdout and "4/4" in stdout
 
 
 @pytest.mark.slow
