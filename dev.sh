@@ -63,6 +63,8 @@ case "${1:-}" in
     test)
         setup
         shift
+        # setup installed the real tokenizers; their absence (or Debian text's) is a failure.
+        export PRETRAIN_REQUIRE_REAL_TEXT=${PRETRAIN_REQUIRE_REAL_TEXT:-1}
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
     vllm-env)

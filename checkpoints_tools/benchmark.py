@@ -39,7 +39,7 @@ args = json.loads(sys.argv[1])
 step = args.pop("step")
 from pathlib import Path
 import torch
-from checkpoints_tools.common import DTYPES
+from models.runtime import DTYPES
 from models.layout import ParallelLayout
 baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 start = time.perf_counter()
@@ -72,6 +72,7 @@ def save_checkpoint(dst: Path, model: dict) -> dict:
     from checkpoints_tools.common import write_training_meta
     from checkpoints_tools.verify import _single_process_env
     from models.build import build_model_chunks
+    from models.runtime import RuntimeOptions
     from models.config import ModelConfig
     from models.layout import ParallelLayout
     from pretrain.config import ExperimentConfig
@@ -80,7 +81,7 @@ def save_checkpoint(dst: Path, model: dict) -> dict:
     config, layout = ModelConfig(**model), ParallelLayout()
     _single_process_env()
     init_distributed(layout, seed=0)
-    chunk = build_model_chunks(config, layout, seed=0, spec="portable")[0]
+    chunk = build_model_chunks(config, layout, RuntimeOptions(seed=0, spec="portable"))[0]
     dst.mkdir(parents=True)
     dist_checkpointing.save({"model": chunk.sharded_state_dict()}, str(dst))
     write_training_meta(dst, model=config, layout=layout, world_size=1, step=0, consumed_samples=0,

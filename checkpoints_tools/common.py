@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -19,40 +18,66 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from models.config import ModelConfig
 from models.layout import LayoutError, ParallelLayout, validate_layout
-from pretrain.checkpoint import COMPLETE, complete_checkpoints, mark_complete, read_meta
+from models.runtime import DTYPE_NAMES, DTYPES  # noqa: F401 (import_hf uses DTYPE_NAMES from here)
+from pretrain.checkpointing.integrity import checksum_problems, collect_file_table
+from pretrain.checkpointing.format import (
+    COMPLETE,
+    CONFIG,
+    CheckpointError,
+    CheckpointMeta,
+    damage,
+    find_resumable,
+    is_complete,
+    looks_like_checkpoint,
+    mark_complete,
+)
 from pretrain.config import ExperimentConfig, dump_yaml
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class ToolError(Exception):
     """Bad input to a checkpoints_tools command; the message says what and how to fix it."""
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A complete checkpoint step directory, given it or a `checkpoint.dir` (its newest)."""
+_VERIFIED: set[Path] = set()  # checkpoints whose checksums this process has checked
+
+
+def resolve_checkpoint(path: Path, *, verify_checksums: bool = True) -> Path:
+    """A complete, undamaged checkpoint step directory, given it or a `checkpoint.dir` (what
+    `latest` names, else the newest undamaged one, as training's checkpoint.resume=auto picks).
+    Its .metadata is unpickled the safe way and its file sizes are checked; its checksums too
+    unless `verify_checksums` is off."""
     path = Path(path)
     if not path.exists():
         raise ToolError(f"checkpoint path {path} does not exist")
-    if (path / "meta.json").is_file():
-        if not (path / COMPLETE).is_file():
+    if looks_like_checkpoint(path):
+        if not is_complete(path):
             raise ToolError(f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save crashed); "
                             "use an earlier step")
-        return path
-    latest = path / "latest"
-    if latest.is_file() and (path / latest.read_text().strip() / COMPLETE).is_file():
-        return path / latest.read_text().strip()
-    found = complete_checkpoints(path)
-    if found:
-        return found[-1]
-    raise ToolError(f"{path} is not a training checkpoint: expected a step_XXXXXXXX directory "
-                    f"(with meta.json and {COMPLETE}) or a checkpoint.dir holding one")
+        problems = damage(path)
+        if problems:
+            raise ToolError(f"checkpoint {path} is damaged: {'; '.join(problems)}; use an earlier step")
+        found = path
+    else:
+        found = find_resumable(path, warn=lambda message: print(message, file=sys.stderr))
+    if found is None:
+        raise ToolError(f"{path} is not a training checkpoint: expected a step_XXXXXXXX directory "
+                        f"(with meta.json and {COMPLETE}) or a checkpoint.dir holding one")
+    if verify_checksums and found.resolve() not in _VERIFIED:
+        problems = checksum_problems(found, CheckpointMeta.read(found).files or {})
+        if problems:
+            raise ToolError(f"checkpoint {found} is damaged: {'; '.join(problems)}; use an earlier step "
+                            "(--no-verify-checksums skips this check)")
+        _VERIFIED.add(found.resolve())
+    return found
 
 
-def checkpoint_model(path: Path) -> tuple[dict, ModelConfig]:
-    meta = read_meta(path)
-    return meta, ModelConfig.model_validate(meta["model"])
+def checkpoint_model(path: Path) -> tuple[CheckpointMeta, ModelConfig]:
+    try:
+        meta = CheckpointMeta.read(path)
+    except CheckpointError as exc:
+        raise ToolError(str(exc)) from None
+    return meta, ModelConfig.model_validate(meta.model)
 
 
 def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -79,8 +104,7 @@ def target_layout(model: ModelConfig, *, tp: int = 1, pp: int = 1, vpp: Optional
 def check_layout(model: ModelConfig, layout: ParallelLayout, world_size: Optional[int] = None) -> int:
     """Validate a layout for the model; returns the world size (default: the smallest that
     tiles both the dense grid TPxCPxPP and the expert grid ETPxEPxPP)."""
-    etp = layout.expert_tensor_parallel or layout.tensor_parallel
-    world = world_size or math.lcm(layout.model_parallel_size, etp * layout.expert_parallel * layout.pipeline_parallel)
+    world = world_size or layout.min_world_size()
     try:
         validate_layout(model, layout, world)
     except LayoutError as exc:
@@ -106,6 +130,12 @@ def add_output_arguments(parser, dtype_help: str) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), help=dtype_help)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_input_arguments(parser) -> None:
+    """--no-verify-checksums, which every tool reading a checkpoint takes."""
+    parser.add_argument("--no-verify-checksums", action="store_true",
+                        help="skip re-reading every file to check its checksum (sizes are still checked)")
 
 
 def layout_from_args(model: ModelConfig, args) -> tuple[ParallelLayout, int]:
@@ -161,26 +191,21 @@ def staged_output(dst: Path, *, overwrite: bool, protect: tuple[Path, ...] = (),
 def write_training_meta(out: Path, *, model: ModelConfig, layout: ParallelLayout, world_size: int,
                         step: int, consumed_samples: int, has_optimizer: bool, config: ExperimentConfig,
                         provenance: dict) -> None:
-    """meta.json + config.yaml as pretrain.checkpoint writes them, then COMPLETE (last)."""
+    """meta.json + config.yaml as training writes them, then COMPLETE (last)."""
     config = config.model_copy(update={"model": model, "parallel": layout})
-    meta = {
-        "step": step,
-        "consumed_samples": consumed_samples,
-        "world_size": world_size,
-        "layout": layout.model_dump(),
-        "layout_name": layout.describe(world_size),
-        "model": model.model_dump(),
-        "has_optimizer": has_optimizer,
-        "converted_by": provenance,
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    (out / "config.yaml").write_text(dump_yaml(config))
+    (out / CONFIG).write_text(dump_yaml(config))
+    CheckpointMeta(
+        step=step, consumed_samples=consumed_samples,
+        consumed_tokens=consumed_samples * config.schedule.seq_length, world_size=world_size,
+        layout=layout.model_dump(), layout_name=layout.describe(world_size), model=model.model_dump(),
+        has_optimizer=has_optimizer, converted_by=provenance, files=collect_file_table(out),
+    ).write(out)
     mark_complete(out)
 
 
 def read_experiment_config(path: Path, model: ModelConfig) -> ExperimentConfig:
     """The checkpoint's resolved config.yaml (a default one around the model if absent)."""
-    file = Path(path) / "config.yaml"
+    file = Path(path) / CONFIG
     if file.is_file():
         return ExperimentConfig.model_validate_json(json.dumps(yaml.safe_load(file.read_text())))
     return ExperimentConfig(model=model)

@@ -18,14 +18,17 @@ rank's bytes only. Any other layout still loads: DCP reshards on read.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
+import pickle
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -47,7 +50,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from checkpoints_tools.mapping import TP_SPLIT, model_key, stacked_axes
 from models.layout import ParallelLayout
-from pretrain.async_writer import own_storage_alias
+from pretrain.checkpointing.async_writer import own_storage_alias
+from pretrain.checkpointing.integrity import hashing_open
+from pretrain.megatron_fixes.checkpointing import UnsafeCheckpoint, read_metadata_safely
 
 # What Megatron-Core writes next to the DCP files (dist_checkpointing/core.py).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -78,6 +83,16 @@ class _RegionPlanner:
         self.blobs[item.dest_index.fqn] = value.getvalue()
 
 
+class _HashingFileSystem(FileSystem):
+    """torch's local file system for DCP, with shard files hashed as they are written
+    (pretrain.checkpointing.integrity: the notes become meta.json's file table)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with hashing_open(path, mode) as stream:
+            yield stream
+
+
 class CheckpointReader:
     """Random access to the tensors and objects of one torch_dist checkpoint directory."""
 
@@ -87,7 +102,14 @@ class CheckpointReader:
             raise CheckpointFormatError(
                 f"{self.path} has no .metadata: not a torch_dist checkpoint (or its save did not finish)")
         self._reader = FileSystemReader(str(self.path))
-        self.metadata = self._reader.read_metadata()
+        try:
+            # Not the reader's own read_metadata: that one unpickles with no restriction.
+            self.metadata = read_metadata_safely(self.path / ".metadata")
+        except UnsafeCheckpoint as exc:
+            raise CheckpointFormatError(f"{self.path}/.metadata: {exc}") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+            raise CheckpointFormatError(f"{self.path}/.metadata is damaged ({type(exc).__name__}: {exc}); "
+                                        "use another checkpoint") from None
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._check_files()
 
@@ -170,7 +192,7 @@ def layout_chunks(key: str, shape: tuple[int, ...], layout: ParallelLayout, gate
     lead = stacked_axes(key)
     tp = layout.tensor_parallel
     if lead == 2:
-        tp = layout.expert_tensor_parallel or layout.tensor_parallel
+        tp = layout.expert_tp
     body = shape[lead:]
     dim, glu = TP_SPLIT.get(model_key(key), (None, False))
     gated = gated and glu
@@ -245,6 +267,7 @@ def write_checkpoint(
     # writing, but DCP balances their buckets by size, so they drift apart by layers and
     # re-read some (measured on 2 busy cores: no faster, 5 of 27 layers read twice).
     writer = FileSystemWriter(str(out), single_file_per_rank=True, sync_files=True, thread_count=threads)
+    writer.fs = _HashingFileSystem()  # shards hashed as written, as training's saves are
     writer.set_up_storage_writer(True)
     plans, metadata = create_default_global_save_plan([writer.prepare_local_plan(SavePlan(items))])
     plan = writer.prepare_global_plan(plans)[0]

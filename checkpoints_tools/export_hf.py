@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from checkpoints_tools.common import (
+    add_input_arguments,
     ToolError,
     add_output_arguments,
     byte_progress,
@@ -154,16 +155,16 @@ def _tokenizer_source(src: Path, tokenizer: Optional[Path], model: ModelConfig) 
 def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None,
               tokenizer: Optional[Path] = None, with_tokenizer: bool = True,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = False,
-              warn: Callable[[str], None] = _warn) -> dict:
+              verify_checksums: bool = True, warn: Callable[[str], None] = _warn) -> dict:
     """Write the HF directory `dst` for checkpoint `src`; returns a summary. `warn` gets each
     serving warning before any work (default: a ServingWarning)."""
     start = time.perf_counter()
-    src = resolve_checkpoint(src)
+    src = resolve_checkpoint(src, verify_checksums=verify_checksums)
     meta, model = checkpoint_model(src)
     try:
         reader = CheckpointReader(src)
         dtype = dtype or reader.dtype("embedding.word_embeddings.weight")
-        imported = meta.get("converted_by") or {}
+        imported = meta.converted_by or {}
         architecture = architecture or imported.get("hf_architecture") or default_architecture(model)
         config = to_hf_config(model, architecture=architecture, dtype=dtype, bos_id=None, eos_id=None)
         check_checkpoint_tensors(reader, model)
@@ -182,7 +183,7 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
     weight_map = {}
     with staged_output(dst, overwrite=overwrite, protect=(src,), what="export") as out, \
             byte_progress(progress) as bar:
-        task = bar.add_task(f"export {meta.get('layout_name')} -> {architecture}", total=total)
+        task = bar.add_task(f"export {meta.layout_name} -> {architecture}", total=total)
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             write_safetensors(out / file, shard, convert, on_tensor=lambda n: bar.advance(task, n))
@@ -202,7 +203,7 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
         config.update(bos_token_id=bos, eos_token_id=eos)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos), indent=2) + "\n")
-    return {"output": str(Path(dst)), "architecture": architecture, "source_layout": meta.get("layout_name"),
+    return {"output": str(Path(dst)), "architecture": architecture, "source_layout": meta.layout_name,
             "dtype": str(dtype).replace("torch.", ""), "shards": len(shards), "bytes": total,
             "tokenizer": str(token_src) if token_src else None, "seconds": time.perf_counter() - start}
 
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("src", type=Path, help="checkpoint step directory, or a checkpoint.dir (newest)")
     parser.add_argument("dst", type=Path, help="output Hugging Face model directory")
     add_output_arguments(parser, dtype_help="weight dtype (default: the checkpoint's)")
+    add_input_arguments(parser)
     parser.add_argument("--architecture", choices=list(EXPORT_ARCHITECTURES),
                         help="HF class (default: Llama for dense, Mixtral for MoE, GPT-2 for LayerNorm/GELU/"
                              "learned-position models)")
@@ -239,7 +241,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = export_hf(args.src, args.dst, dtype=parse_dtype(args.dtype), architecture=args.architecture,
                             tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
                             max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                            progress=not args.no_progress, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+                            progress=not args.no_progress, verify_checksums=not args.no_verify_checksums,
+                            warn=lambda m: print(f"warning: {m}", file=sys.stderr))
         print(f"wrote {summary['output']}: {summary['architecture']} ({summary['dtype']}, {summary['shards']} "
               f"shard(s), {summary['bytes'] / 1e9:.3f} GB) from {summary['source_layout']} in "
               f"{summary['seconds']:.1f} s; tokenizer: {summary['tokenizer'] or 'none'}")

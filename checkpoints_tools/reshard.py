@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from checkpoints_tools.common import (
+    add_input_arguments,
     DTYPE_NAMES,
     add_layout_arguments,
     add_output_arguments,
@@ -50,7 +51,6 @@ from checkpoints_tools.common import (
 from checkpoints_tools.dcp_io import CheckpointReader, layout_chunks, read_common, write_checkpoint
 from checkpoints_tools.mapping import is_optimizer_key, stacked_axes
 from models.layout import ParallelLayout
-from pretrain.checkpoint import has_optimizer_state
 
 
 class LayerCache:
@@ -147,18 +147,18 @@ def read_order(tensors: dict) -> list:
 
 def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optional[int] = None,
             drop_optimizer: bool = False, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-            progress: bool = False) -> dict:
+            progress: bool = False, verify_checksums: bool = True) -> dict:
     """Write the checkpoint `src` (a step directory or a checkpoint.dir) to `dst` for `layout`.
 
     dtype casts the model weights only (optimizer state stays fp32). Returns a summary
     (output, layouts, bytes written, seconds).
     """
     start = time.perf_counter()
-    src = resolve_checkpoint(src)
+    src = resolve_checkpoint(src, verify_checksums=verify_checksums)
     meta, model = checkpoint_model(src)
     world = check_layout(model, layout, world_size)
     reader = CheckpointReader(src)
-    has_optimizer = has_optimizer_state(meta) and any(is_optimizer_key(k) for k in reader.tensor_keys())
+    has_optimizer = meta.has_optimizer and any(is_optimizer_key(k) for k in reader.tensor_keys())
     keep_optimizer = has_optimizer and not drop_optimizer
     tensors = {}
     for key in reader.tensor_keys():
@@ -186,21 +186,21 @@ def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optiona
                 return chunk
 
             write_checkpoint(out, tensors, produce, objects, common)
-            if meta.get("layout_name") == layout.describe(world) and (src / "rng").is_dir():
+            if meta.layout_name == layout.describe(world) and (src / "rng").is_dir():
                 shutil.copytree(src / "rng", out / "rng")  # same ranks: their RNG streams still apply
             write_training_meta(
-                out, model=model, layout=layout, world_size=world, step=int(meta["step"]),
-                consumed_samples=int(meta.get("consumed_samples", 0)), has_optimizer=keep_optimizer,
+                out, model=model, layout=layout, world_size=world, step=meta.step,
+                consumed_samples=meta.consumed_samples, has_optimizer=keep_optimizer,
                 config=read_experiment_config(src, model),
                 # An imported model keeps what its export needs (HF architecture, BOS/EOS ids).
-                provenance={**{k: v for k, v in (meta.get("converted_by") or {}).items() if k.startswith("hf_")},
+                provenance={**{k: v for k, v in (meta.converted_by or {}).items() if k.startswith("hf_")},
                             "tool": "checkpoints_tools.reshard", "source": str(src.resolve()),
-                            "source_layout": meta.get("layout_name"),
+                            "source_layout": meta.layout_name,
                             "dtype": DTYPE_NAMES.get(dtype) if dtype else "unchanged"},
             )
     finally:
         cache.close()  # stop reading ahead (an error, or Ctrl-C)
-    return {"output": str(Path(dst)), "source_layout": meta.get("layout_name"), "layout": layout.describe(world),
+    return {"output": str(Path(dst)), "source_layout": meta.layout_name, "layout": layout.describe(world),
             "optimizer": keep_optimizer, "bytes": total, "seconds": time.perf_counter() - start}
 
 
@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_arguments(parser)
     parser.add_argument("--drop-optimizer", action="store_true", help="write model weights only (serving copy)")
     add_output_arguments(parser, dtype_help="cast model weights (default: keep)")
+    add_input_arguments(parser)
     return parser
 
 
@@ -226,10 +227,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        _, model = checkpoint_model(resolve_checkpoint(args.src))
+        _, model = checkpoint_model(resolve_checkpoint(args.src, verify_checksums=not args.no_verify_checksums))
         layout, world = layout_from_args(model, args)
         summary = reshard(args.src, args.dst, layout=layout, world_size=world, drop_optimizer=args.drop_optimizer,
-                          dtype=parse_dtype(args.dtype), overwrite=args.overwrite, progress=not args.no_progress)
+                          dtype=parse_dtype(args.dtype), overwrite=args.overwrite, progress=not args.no_progress,
+                          verify_checksums=not args.no_verify_checksums)
         print(f"wrote {summary['output']}: {summary['source_layout']} -> {summary['layout']}, "
               f"{summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f} s"
               + ("" if summary["optimizer"] else " (model weights only)"))

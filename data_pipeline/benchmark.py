@@ -126,7 +126,11 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sampler = TreeMemorySampler(proc.pid) if sample_memory else None
-    _, err = proc.communicate()
+    err = proc.stderr.read()
+    # wait4, not wait: the kernel's own peak RSS of the CLI and its workers comes with it.
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stderr.close()
     wall = time.perf_counter() - started
     peak = sampler.stop() if sampler else None
     if proc.returncode != 0:
@@ -135,6 +139,8 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
         summary = json.load(f)
     return {"seconds": summary["seconds"], "text_bytes": summary["text_bytes"],
             "tokens": summary["tokens"], "cli_wall_seconds": wall, "peak_rss": peak,
+            # Largest single process of the tree, as the kernel counted it (ru_maxrss, KiB).
+            "kernel_max_rss": usage.ru_maxrss * 1024,
             "cpu_seconds": summary["main_cpu_seconds"] + summary["worker_cpu_seconds"],
             "worker_cpu_seconds": summary["worker_cpu_seconds"]}
 

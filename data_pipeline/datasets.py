@@ -122,19 +122,21 @@ def build_gpt_datasets(*, blend: list[tuple[float, str]] | None, split: str, seq
 
 @contextlib.contextmanager
 def _rank_zero_without_process_group():
-    """Megatron-Core 0.16.1's BlendedDataset._build_indices (blended_dataset.py:153) calls
-    torch.distributed.get_rank() without checking is_initialized(), so a cached blend
-    fails in a plain single process. Without a process group this process is the only
-    rank, so rank 0 is the truth; with one, nothing is changed."""
+    """Megatron-Core's dataset builders assume torch.distributed is initialised (0.16.1's
+    BlendedDataset._build_indices calls torch.distributed.get_rank() unguarded, line ~153).
+    A plain single process is rank 0 of a world of one: while building, give it exactly
+    that, a one-rank gloo group on an in-memory store (no port, no patch). With a process
+    group already up, nothing changes."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         yield
         return
-    from unittest import mock
-
-    with mock.patch.object(dist, "get_rank", lambda group=None: 0):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
         yield
+    finally:
+        dist.destroy_process_group()
 
 
 def ensure_demo_dataset(out_dir: str) -> tuple[str, str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from data_pipeline.processes import die_with_parent, get_unless_orphaned
 from data_pipeline.sources import BadRecord, Chunk, check_text, iter_records
 
 
@@ -76,28 +77,6 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
     result.lengths = np.asarray(lengths, dtype=np.int32)
     result.text_bytes = text_bytes
     return result
-
-
-def die_with_parent() -> None:
-    # Linux: the kernel SIGKILLs us when the parent dies, even by SIGKILL.
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass  # the getppid() poll in worker_main still catches it
-
-
-def get_unless_orphaned(tasks, parent_pid: int, poll: float = 1.0):
-    """The next item of `tasks`, or None once the process that started us is gone (a
-    backstop where die_with_parent is unavailable)."""
-    while True:
-        try:
-            return tasks.get(timeout=poll)
-        except queue.Empty:
-            if os.getppid() != parent_pid:
-                return None
 
 
 def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int) -> None:

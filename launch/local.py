@@ -1,48 +1,8 @@
-"""Run a recipe on this machine through torchrun (CPU gloo or GPU NCCL).
+"""`python -m launch.local`: usage in launch/launchers/local.py."""
 
-    python -m launch.local --recipe tiny-llama --nproc 4 \
-        parallel.tensor_parallel=2 parallel.pipeline_parallel=2
-
-Validates the config against the world size first (no processes are started for a config
-that cannot work), then execs torchrun with one process per rank.
-"""
-
-from __future__ import annotations
-
-import argparse
-import os
-import subprocess
 import sys
 
-from pretrain.cli import resolve_config, torchrun_command
-from pretrain.config import ConfigError, validate_for_world
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--nproc", type=int, default=1, help="processes (= devices) on this machine")
-    parser.add_argument("--config", help="YAML overrides file")
-    parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
-    try:
-        config = resolve_config(args.recipe, args.config, args.overrides)
-        validate_for_world(config, args.nproc)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    cmd = torchrun_command(args.recipe, args.nproc, args.overrides, args.config)
-    if args.dry_run:
-        print(" ".join(cmd))
-        return 0
-    env = dict(os.environ)
-    # One intra-op thread per rank: ranks already use every core; more threads thrash on CPU.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    return subprocess.call(cmd, env=env)
-
+from launch.launchers.local import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,11 +39,9 @@ from models.context_parallel import ContextParallelAttention
 from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
 from models.moe import with_layout_invariant_router
+from models.runtime import RuntimeOptions, SpecName
 from models.portable import PortableNorm
 from models.rope import apply_llama3_scaling
-
-SpecName = Literal["auto", "te", "portable"]
-
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
     """Init method that leaves the tensor as is (see perform_initialization below)."""
@@ -62,12 +60,13 @@ def te_available() -> bool:
 
 
 def resolve_spec(spec: SpecName) -> Literal["te", "portable"]:
+    """`auto` -> the spec this machine runs; `te` is refused where it cannot run."""
     if spec == "auto":
         return "te" if te_available() else "portable"
     if spec == "te" and not te_available():
         raise RuntimeError(
             "layer spec 'te' needs Transformer Engine and a CUDA GPU; install the `gpu` extra "
-            "(pip install '.[gpu]') on a GPU machine, or use model.spec=portable"
+            "(pip install '.[gpu]') on a GPU machine, or set runtime.spec=portable"
         )
     return spec
 
@@ -75,16 +74,14 @@ def resolve_spec(spec: SpecName) -> Literal["te", "portable"]:
 def transformer_config(
     model: ModelConfig,
     layout: ParallelLayout,
+    runtime: RuntimeOptions,
     *,
-    params_dtype: torch.dtype = torch.float32,
-    recompute: Literal["none", "selective", "full"] = "none",
-    microbatch_group_size_per_vp_stage: Optional[int] = None,
-    fp8: Optional[str] = None,
-    spec: Literal["te", "portable"] = "portable",
-    moe_grouped_gemm: Optional[bool] = None,
+    spec: Literal["te", "portable"],
 ) -> TransformerConfig:
-    """Map (architecture, layout, precision) onto Megatron-Core's TransformerConfig."""
+    """Map (architecture, layout, runtime) onto Megatron-Core's TransformerConfig; `spec` is
+    runtime.spec resolved for this machine."""
     on_gpu = torch.cuda.is_available()
+    params_dtype = runtime.torch_dtype
     kwargs = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -102,20 +99,16 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Parallel layout.
-        tensor_model_parallel_size=layout.tensor_parallel,
-        pipeline_model_parallel_size=layout.pipeline_parallel,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
-        context_parallel_size=layout.context_parallel,
-        expert_model_parallel_size=layout.expert_parallel,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel or layout.tensor_parallel,
+        **layout.megatron_parallel_sizes(),
         sequence_parallel=layout.sequence_parallel,
-        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        # The interleaved schedule's group size; Megatron-LM uses the PP size.
+        microbatch_group_size_per_vp_stage=layout.pipeline_parallel if layout.virtual_pipeline else None,
         # Precision.
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        fp8=fp8,
+        fp8=runtime.fp8,
         # Loss is summed per token and divided by the global token count in
         # finalize_model_grads: exact for any DP/microbatch split.
         calculate_per_token_loss=True,
@@ -136,15 +129,15 @@ def transformer_config(
         persist_layer_norm=False,
         attention_backend=AttnBackend.auto if spec == "te" else AttnBackend.local,
     )
-    if recompute == "selective":
+    if runtime.recompute == "selective":
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-    elif recompute == "full":
+    elif runtime.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if layout.context_parallel > 1 and spec == "te":
         # TE's names; the portable spec has one CP algorithm (all-gather) and ignores this.
         kwargs.update(cp_comm_type=_TE_CP_COMM[layout.cp_comm_type or "p2p"])
     if model.is_moe:
-        kwargs.update(_moe_kwargs(model, layout, spec, moe_grouped_gemm))
+        kwargs.update(_moe_kwargs(model, layout, spec, runtime.moe_grouped_gemm))
     return TransformerConfig(**kwargs)
 
 
@@ -205,27 +198,16 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=PortableNorm)
 
 
-def build_model_chunks(
-    model: ModelConfig,
-    layout: ParallelLayout,
-    *,
-    seed: int,
-    spec: SpecName = "auto",
-    params_dtype: torch.dtype = torch.float32,
-    recompute: Literal["none", "selective", "full"] = "none",
-    fp8: Optional[str] = None,
-    moe_grouped_gemm: Optional[bool] = None,
-) -> list[GPTModel]:
+def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: RuntimeOptions) -> list[GPTModel]:
     """Build this rank's model chunks (one per virtual pipeline stage), initialised.
 
-    Needs `parallel_state` initialised with the same layout.
+    Needs `parallel_state` initialised with the same layout. `runtime.spec` may be `auto`
+    (resolved here); training resolves and checks it once before any process group
+    (pretrain.config.validate_for_machine) and passes the result.
     """
-    resolved = resolve_spec(spec)
-    config = transformer_config(
-        model, layout, params_dtype=params_dtype, recompute=recompute, fp8=fp8, spec=resolved,
-        moe_grouped_gemm=moe_grouped_gemm,
-        microbatch_group_size_per_vp_stage=layout.pipeline_parallel if layout.virtual_pipeline else None,
-    )
+    resolved = resolve_spec("auto") if runtime.spec == "auto" else runtime.spec
+    config = transformer_config(model, layout, runtime, spec=resolved)
+    params_dtype = runtime.torch_dtype
     device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
     chunks = []
     for vp_stage in range(layout.vpp):
@@ -256,7 +238,7 @@ def build_model_chunks(
         if model.is_moe:
             _mark_expert_params(gpt)
         chunks.append(gpt)
-    initialize_weights(chunks, model, seed)
+    initialize_weights(chunks, model, runtime.seed)
     return chunks
 
 

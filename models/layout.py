@@ -6,6 +6,7 @@ ranks share a node's fast links), PP outermost.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,14 +40,47 @@ class ParallelLayout(BaseModel):
 
     @property
     def model_parallel_size(self) -> int:
+        """Ranks of one dense model replica: TP x PP x CP."""
         return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor parallelism; unset means the same as TP (Megatron-Core's default)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """Ranks of one expert replica: expert TP x EP x PP."""
+        return self.expert_tp * self.expert_parallel * self.pipeline_parallel
 
     @property
     def vpp(self) -> int:
         return self.virtual_pipeline or 1
 
     def data_parallel(self, world_size: int) -> int:
+        """Dense data-parallel size: world / (TP x PP x CP)."""
         return world_size // self.model_parallel_size
+
+    def expert_data_parallel(self, world_size: int) -> int:
+        """Expert data-parallel size: world / (expert TP x EP x PP). Megatron-Core lays the
+        expert grid over the same ranks as the dense grid, so EP reuses ranks of TP x CP x DP."""
+        return world_size // self.expert_model_parallel_size
+
+    def min_world_size(self) -> int:
+        """The smallest world that tiles both the dense grid and the expert grid."""
+        return math.lcm(self.model_parallel_size, self.expert_model_parallel_size)
+
+    def megatron_parallel_sizes(self) -> dict:
+        """Keyword arguments of Megatron-Core's `parallel_state.initialize_model_parallel`
+        (and the matching `TransformerConfig` fields)."""
+        return dict(
+            tensor_model_parallel_size=self.tensor_parallel,
+            pipeline_model_parallel_size=self.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline,
+            context_parallel_size=self.context_parallel,
+            expert_model_parallel_size=self.expert_parallel,
+            expert_tensor_parallel_size=self.expert_tp,
+        )
 
     def describe(self, world_size: Optional[int] = None) -> str:
         parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
@@ -65,8 +99,7 @@ class ParallelLayout(BaseModel):
 
 def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
     """Raise LayoutError naming the first impossible value and listing the valid choices."""
-    tp, pp, cp, ep = (layout.tensor_parallel, layout.pipeline_parallel,
-                      layout.context_parallel, layout.expert_parallel)
+    tp, pp, cp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel
     if world_size % layout.model_parallel_size:
         valid = [f"{d}" for d in divisors(world_size)]
         raise LayoutError(
@@ -99,8 +132,7 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int)
 
 
 def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
-    ep = layout.expert_parallel
-    etp = layout.expert_tensor_parallel or layout.tensor_parallel
+    ep, etp = layout.expert_parallel, layout.expert_tp
     if not model.is_moe:
         if ep > 1:
             raise LayoutError(f"expert_parallel={ep} needs a MoE model (num_experts is unset)")
@@ -109,13 +141,13 @@ def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -
     # Megatron-Core lays the expert grid (expert TP x EP x expert DP x PP) over the same
     # ranks as the dense grid (TP x CP x DP x PP): EP reuses ranks of TP x CP x DP, so
     # EP x TP x CP x PP may exceed the world size; ETP x EP x PP must divide it.
-    if world_size % (etp * ep * layout.pipeline_parallel):
+    if world_size % layout.expert_model_parallel_size:
         per_stage = world_size // layout.pipeline_parallel
         fits = divisors(per_stage // etp) if per_stage % etp == 0 else []
         valid = [d for d in fits if model.num_experts % d == 0]
         raise LayoutError(
             f"world size {world_size} is not divisible by expert TP({etp}) x EP({ep}) x "
-            f"PP({layout.pipeline_parallel}) = {etp * ep * layout.pipeline_parallel}; "
+            f"PP({layout.pipeline_parallel}) = {layout.expert_model_parallel_size}; "
             f"with expert TP {etp} choose EP from {valid}"
         )
     _check_divides("expert TP", etp, "moe ffn hidden size", model.expert_ffn_hidden_size)

@@ -36,20 +36,6 @@ def resolve_config(recipe: str, config_file: str | None, overrides: list[str]) -
     return apply_overrides(get_recipe(recipe), yaml_file=config_file, overrides=overrides)
 
 
-def torchrun_command(recipe: str, nproc: int, overrides: list[str], config_file: str | None = None) -> list[str]:
-    """The torchrun command line that trains `recipe` with nproc ranks on this machine."""
-    import socket
-
-    with socket.socket() as s:  # a free port, so concurrent local runs do not collide
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "pretrain", "--recipe", recipe]
-    if config_file:
-        cmd += ["--config", config_file]
-    return cmd + list(overrides)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -65,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from pretrain.trainer import main_train
+    from pretrain.loop import main_train
 
     return main_train(config)
 

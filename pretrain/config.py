@@ -17,22 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from models.config import ModelConfig
 from models.layout import LayoutError, ParallelLayout, validate_layout
+from models.runtime import RuntimeOptions
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
-class RuntimeConfig(_Strict):
-    seed: int = 1234
-    spec: Literal["auto", "te", "portable"] = "auto"
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # Transformer Engine FP8 recipe on GPU (te spec only): "hybrid" = E4M3 fwd, E5M2 bwd.
-    fp8: Optional[Literal["hybrid", "e4m3"]] = None
-    recompute: Literal["none", "selective", "full"] = "none"
-    # MoE experts as one grouped GEMM (Transformer Engine's GroupedLinear, te spec only)
-    # instead of a loop over experts. None = on with the te spec, off with portable.
-    moe_grouped_gemm: Optional[bool] = None
+class RuntimeConfig(RuntimeOptions):
+    """models.runtime.RuntimeOptions (seed, spec, dtype, fp8, recompute, moe_grouped_gemm)
+    plus training-only keys."""
+
     # Fault injection for testing checkpoint.on_nan: rank 0 poisons its gradients at this step.
     inject_nan_step: Optional[int] = Field(default=None, gt=0)
 
@@ -85,6 +80,11 @@ class CheckpointConfig(_Strict):
     async_save: bool = False
     exit_after_minutes: Optional[float] = Field(default=None, gt=0)
     on_nan: Literal["skip", "stop"] = "stop"
+    # Checkpoints in `dir` newer than the resume point (or any, starting fresh) would be
+    # overwritten or interleaved: "refuse" to start, or "move_aside" into superseded-<time>/.
+    on_newer: Literal["refuse", "move_aside"] = "refuse"
+    # Check every file's xxh3-64 checksum on load (sizes are always checked).
+    verify_checksums: bool = True
 
 
 class LoggingConfig(_Strict):

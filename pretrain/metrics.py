@@ -66,7 +66,9 @@ class StepMetrics:
     peak_mem_gb: float
     # Time outside forward_backward_func + optimizer step (data, logging), as a fraction.
     overhead_frac: float
-    skipped: bool = False
+    skipped: bool = False  # no update this step (non-finite, or an fp16 overflow)
+    skipped_steps: int = 0  # skipped steps so far in this run
+    loss_scale: Optional[float] = None  # fp16: the dynamic loss scale after this step
     # MoE: mean load-balancing loss over MoE layers (1.0 = even routing) and router z-loss.
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
@@ -150,8 +152,10 @@ def format_line(m: StepMetrics, total_steps: int) -> str:
     if m.moe_z_loss is not None:
         parts.append(f"z {m.moe_z_loss:.3f}")
     parts.append(f"mem {m.peak_mem_gb:.2f} GB")
+    if m.loss_scale is not None:
+        parts.append(f"scale {m.loss_scale:g}")
     if m.skipped:
-        parts.append("SKIPPED (non-finite)")
+        parts.append("SKIPPED")
     return " | ".join(parts)
 
 

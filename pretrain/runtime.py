@@ -1,7 +1,7 @@
 """Runtime start-up: rank discovery (torchrun or Slurm), process groups, Megatron parallel state.
 
 Order: read the environment -> pick the device and backend (NCCL on GPU, gloo on CPU) ->
-install CPU stand-ins if there is no GPU -> init_process_group -> parallel_state ->
+apply megatron_fixes (CPU stand-ins if there is no GPU) -> init_process_group -> parallel_state ->
 seeds (Python, numpy, torch, Megatron's tensor-parallel RNG tracker).
 """
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from models.layout import ParallelLayout
+from pretrain import megatron_fixes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,27 +58,21 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-    else:
-        from pretrain.cpu_support import enable_cpu_execution
-
-        enable_cpu_execution()
+    megatron_fixes.apply(cpu=not on_gpu)
     if not dist.is_initialized():
+        # One process needs no rendezvous: an in-memory store binds no port, so any number of
+        # single-process runs (and tests) share a machine without EADDRINUSE.
+        rendezvous = (dict(store=dist.HashStore()) if env.source == "single"
+                      else dict(init_method=f"tcp://{env.master_addr}:{env.master_port}"))
         dist.init_process_group(
             backend="nccl" if on_gpu else "gloo",
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
+            **rendezvous,
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tensor_parallel,
-            pipeline_model_parallel_size=layout.pipeline_parallel,
-            virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
-            context_parallel_size=layout.context_parallel,
-            expert_model_parallel_size=layout.expert_parallel,
-            expert_tensor_parallel_size=layout.expert_tensor_parallel,
-        )
+        parallel_state.initialize_model_parallel(**layout.megatron_parallel_sizes())
     set_seeds(seed)
     return env
 
@@ -92,7 +87,7 @@ def _forked_children_die_with_rank() -> None:
     So every child forked from here dies with its parent."""
     global _fork_hook_installed
     if not _fork_hook_installed:
-        from data_pipeline.workers import die_with_parent
+        from data_pipeline.processes import die_with_parent
 
         os.register_at_fork(after_in_child=die_with_parent)
         _fork_hook_installed = True

@@ -27,9 +27,6 @@ from megatron.core.utils import get_model_config
 
 from pretrain.config import ExperimentConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 @dataclasses.dataclass
 class TrainingState:
     model: list[DistributedDataParallel]
@@ -39,7 +36,7 @@ class TrainingState:
 
 def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -> TrainingState:
     opt = config.optimizer
-    dtype = DTYPES[config.runtime.dtype]
+    dtype = config.runtime.torch_dtype
     tconfig = get_model_config(chunks[0])
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from checkpoints_tools.common import DTYPES
+from models.runtime import DTYPES
 from checkpoints_tools.export_hf import export_hf
 from tests.checkpoints_tools.conftest import SP_MODEL
 from tests.checkpoints_tools.workers import tokens

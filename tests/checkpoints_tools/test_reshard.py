@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from checkpoints_tools.common import DTYPES
+from models.runtime import DTYPES
 from checkpoints_tools.dcp_io import CheckpointReader
 from checkpoints_tools.import_hf import import_hf
 from checkpoints_tools.reshard import reshard

@@ -44,7 +44,7 @@ def train_jobs(jobs: list[dict], rendezvous: str) -> list[dict]:
     from checkpoints_tools.verify import forward_logits
     from pretrain.cli import resolve_config
     from pretrain.runtime import shutdown
-    from pretrain.trainer import setup, train as train_loop
+    from pretrain.loop import setup, train as train_loop
 
     results = []
     for index, job in enumerate(jobs):
@@ -79,7 +79,7 @@ def resume_jobs(jobs: list[dict], rendezvous: str) -> list[list[float] | None]:
     logging rank's losses per job."""
     from pretrain.cli import resolve_config
     from pretrain.runtime import shutdown
-    from pretrain.trainer import setup, train as train_loop
+    from pretrain.loop import setup, train as train_loop
 
     results = []
     for index, job in enumerate(jobs):

@@ -20,14 +20,23 @@ def test_tokenizer_alone_counts_every_byte_and_token(tmp_path, texts):
     assert two["text_bytes"] == 2 * size and two["seconds"] > 0 and two["cpu_seconds"] > 0
 
 
-def test_memory_sampler_sees_this_process():
-    sampler = TreeMemorySampler(os.getpid(), interval=0.01)
-    block = bytearray(50 << 20)  # touched: resident
-    block[::4096] = b"x" * len(block[::4096])
+def _sampled_peak(allocate_mb: int) -> float:
     import time
 
+    sampler = TreeMemorySampler(os.getpid(), interval=0.01)
+    block = bytearray(allocate_mb << 20)
+    block[::4096] = b"x" * len(block[::4096])  # touched: resident
     time.sleep(0.1)
-    assert sampler.stop() > 50e6
+    peak = sampler.stop()
+    del block
+    return peak
+
+
+def test_memory_sampler_sees_an_allocation_in_this_process():
+    baseline = _sampled_peak(0)
+    grown = _sampled_peak(64)
+    # The 64 MiB block shows up in full (its pages are private: PSS = RSS), no more.
+    assert 60 << 20 <= grown - baseline <= 72 << 20, (baseline, grown)
 
 
 @pytest.mark.slow
@@ -35,8 +44,12 @@ def test_run_preprocess_reports_time_cpu_and_memory(tmp_path, texts):
     corpus = write_jsonl(tmp_path / "c.jsonl", texts[:50])
     run = run_preprocess("byte", corpus, 1, str(tmp_path), sample_memory=True)
     assert run["text_bytes"] == sum(len(t.encode()) for t in texts[:50])
-    assert 0 < run["seconds"] < run["cli_wall_seconds"] and run["peak_rss"] > 50e6
+    assert 0 < run["seconds"] < run["cli_wall_seconds"]
     assert run["cpu_seconds"] > run["worker_cpu_seconds"] > 0
+    # The sampled peak of the tree (PSS of the CLI + its forked worker) against the kernel's
+    # own count of the largest process (ru_maxrss from wait4): at least most of it, and at
+    # most the two processes' worth.
+    assert 0.7 * run["kernel_max_rss"] <= run["peak_rss"] <= 2.1 * run["kernel_max_rss"], run
 
 
 def test_repeated_corpus_is_the_corpus_n_times_and_reused(tmp_path, texts):

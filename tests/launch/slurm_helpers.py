@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.slurm_cluster import (
+from launch.launchers.ci_cluster import (
     DEFAULT_DIR,
     ClusterPaths,
     SlurmUnavailable,
@@ -29,7 +29,6 @@ from launch.slurm_cluster import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-HAS_CHECKPOINTING = (REPO / "pretrain" / "checkpoint.py").is_file()
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -45,7 +44,7 @@ def slurm_env():
     missing = missing_binaries()
     if missing:
         _unavailable(f"Slurm is not installed (missing {', '.join(missing)}); "
-                     "`bash launch/ci_slurm.sh install` installs it (as root; .ci/run does)")
+                     "`bash launch/launchers/ci_slurm.sh install` installs it (as root; .ci/run does)")
     if os.geteuid() != 0:
         _unavailable("the test cluster's daemons (munged, slurmctld, slurmd) need root")
     paths = ClusterPaths(Path(DEFAULT_DIR))

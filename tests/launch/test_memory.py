@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from launch.candidate import Candidate
-from launch.memory import (
+from launch.planner.candidate import Candidate
+from launch.planner.memory import (
     MemoryOptions,
     activation_bytes,
     attention_activation_bytes,

@@ -1,4 +1,4 @@
-"""launch.memory against what Megatron-Core actually allocates on CPU ranks.
+"""launch.planner.memory against what Megatron-Core actually allocates on CPU ranks.
 
 Static memory (params, fp32 grad buffer, fp32 main params, Adam moments) must equal the
 bytes allocated through `pretrain.wrap.wrap_for_training` within 1% for every layout of
@@ -10,15 +10,15 @@ matches the published analysis' assumptions (GPT style: MHA, GeLU, LayerNorm; fp
 mixed-precision copies; unfused attention): no parallelism, TP, TP + SP, selective and
 full recompute, within 5%. Outside those assumptions the portable CPU path saves more than
 the fused GPU path the planner models (fp32 norm internals and softmax under bf16, unfused
-SwiGLU, GQA keys/values expanded to every head): /work/shared/notes/launch-planner-validation.md.
+SwiGLU, GQA keys/values expanded to every head), so those cases are not compared here.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from launch.candidate import Candidate
-from launch.memory import activation_bytes, memory_on_stage, recompute_working_bytes
+from launch.planner.candidate import Candidate
+from launch.planner.memory import activation_bytes, memory_on_stage, recompute_working_bytes
 from models.config import get_flavor
 from pretrain.config import apply_overrides
 from pretrain.recipes import get_recipe

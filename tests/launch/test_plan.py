@@ -3,13 +3,16 @@ fit with the reason, ranks by time, explains impossible requests, writes a usabl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from launch import plan as plan_mod
-from launch.candidate import Candidate
-from launch.devices import get_device
-from launch.memory import MemoryOptions, peak_memory
-from launch.plan import PlanError, SearchSpace, plan
+from launch.planner.candidate import Candidate
+from launch.planner.devices import get_device
+from launch.planner.memory import MemoryOptions, peak_memory
+from launch.planner.search import PlanError, SearchSpace, plan
+from models.layout import ParallelLayout
 from pretrain.config import apply_overrides, validate_for_world
 from pretrain.recipes import get_recipe
 
@@ -31,9 +34,21 @@ def test_ranked_layouts_fit_are_valid_and_sorted(llama8b_plan):
         validate_for_world(e.candidate.apply_to(p.config), 8)  # the training accepts it
     for e in p.dropped[:50]:
         assert e.memory.total > H100.memory_bytes
-    # The memory shown is the model's for the worst stage of that candidate.
-    best = p.best
-    assert best.memory.total == peak_memory(best.candidate).total
+
+
+def test_static_memory_of_plain_data_parallel_is_the_textbook_math():
+    """llama3-8b has 8,030,261,248 parameters (Meta's model card; its 128,256-token vocab is
+    already a multiple of 128, so padding adds none). At TP1 x PP1 x DP8 in BF16 with the
+    distributed optimizer every GPU holds 2 bytes of weights and 4 of fp32 gradients per
+    parameter; the 4 bytes of fp32 main weights and 8 of Adam moments are sharded 8 ways."""
+    params = 8_030_261_248
+    base = Candidate.from_config(get_recipe("llama3-8b"), 8)
+    for dist_opt, shards in ((True, 8), (False, 1)):
+        c = dataclasses.replace(base, layout=ParallelLayout(), micro_batch=1, recompute="full",
+                                distributed_optimizer=dist_opt)
+        b = peak_memory(c)
+        assert (b.params, b.grads, b.main_params, b.optimizer_states) == (
+            2 * params, 4 * params, 4 * params / shards, 8 * params / shards)
 
 
 def test_search_space_restricts_enumeration():

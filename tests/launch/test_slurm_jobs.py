@@ -16,7 +16,6 @@ import yaml
 
 from pretrain.cli import resolve_config
 from tests.launch.slurm_helpers import (
-    HAS_CHECKPOINTING,
     describe,
     read_losses,
     slurm_env,  # noqa: F401  (fixture)
@@ -72,8 +71,6 @@ def test_submit_tp2_pp2_runs_to_completion(uninterrupted):
     assert {"0", "1", "2", "3"} <= labels  # every rank's output, prefixed with its task id
 
 
-@pytest.mark.skipif(not HAS_CHECKPOINTING,
-                    reason="pretrain/checkpoint.py (checkpoint + preemption, issue 4) has not landed yet")
 def test_usr1_saves_requeues_resumes_and_matches_uninterrupted(slurm_env, tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     job_id = submit(cpu_job(run_dir, cache_dir) + TINY, slurm_env)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.slurm import main, slurm_time_seconds
+from launch.launchers.slurm import main, slurm_time_seconds
 from pretrain.cli import resolve_config
 
 GOLDEN = Path(__file__).parent / "golden" / "llama3-70b_8x8_dry_run.sh"

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from launch import sweep
-from launch.sweep_results import fit_power_law, read_metrics
-from launch.sweep_spec import expand_points, load_spec
+from launch.sweeps.results import fit_power_law, read_metrics
+from launch.sweeps.spec import expand_points, load_spec
 from tests.launch.slurm_helpers import slurm_env  # noqa: F401 - the Slurm test-cluster fixture
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "launch" / "examples" / "tiny_sweep.yaml"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from launch.candidate import Candidate
-from launch.devices import Device, UnknownDeviceError, get_device
-from launch.throughput import (
+from launch.planner.candidate import Candidate
+from launch.planner.devices import Device, UnknownDeviceError, get_device
+from launch.planner.throughput import (
     ThroughputOptions,
     cp_comm_s,
     dp_comm_s,

@@ -1,5 +1,5 @@
 """Rank functions for tests/distributed.run_ranks: build this rank's model for a case and
-report what memory it actually uses, for comparison with launch.memory.
+report what memory it actually uses, for comparison with launch.planner.memory.
 
 `measure(cases)` runs every case in one process group (one spawn per world size: start-up
 dominates on 2 cores), tearing Megatron's parallel state down between cases:
@@ -75,7 +75,6 @@ def measure(cases: list[dict]) -> list[dict]:
     from pretrain.config import apply_overrides, validate_for_world
     from pretrain.recipes import get_recipe
     from pretrain.runtime import init_distributed, world_size_from_env
-    from pretrain.wrap import DTYPES
 
     results = []
     for case in cases:
@@ -83,8 +82,7 @@ def measure(cases: list[dict]) -> list[dict]:
         config = apply_overrides(base, overrides=case["overrides"])
         validate_for_world(config, world_size_from_env())
         init_distributed(config.parallel, seed=config.runtime.seed)
-        chunks = build_model_chunks(config.model, config.parallel, seed=config.runtime.seed, spec="portable",
-                                    params_dtype=DTYPES[config.runtime.dtype], recompute=config.runtime.recompute)
+        chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": "portable"}))
         measured = (_static if case["kind"] == "static" else _activations)(config, chunks)
         measured["stage"] = parallel_state.get_pipeline_model_parallel_rank()
         results.append(measured)

@@ -45,12 +45,13 @@ def test_invalid_model_config_messages():
 
 def count_built_params(flavor: str) -> dict:
     from models.build import build_model_chunks
+    from models.runtime import RuntimeOptions
     from models.layout import ParallelLayout
     from pretrain.runtime import init_distributed, shutdown
 
     layout = ParallelLayout()
     init_distributed(layout, seed=0)
-    chunks = build_model_chunks(get_flavor(flavor), layout, seed=0, spec="portable")
+    chunks = build_model_chunks(get_flavor(flavor), layout, RuntimeOptions(seed=0, spec="portable"))
     count = sum(p.numel() for c in chunks for p in c.parameters())
     shutdown()
     return {"params": count}

@@ -14,7 +14,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-from pretrain.async_writer import StagingPool, WriterCaller, WriterError
+from pretrain.checkpointing.async_writer import StagingPool, WriterCaller, WriterError
 
 
 def test_staging_reuses_one_shared_buffer_per_chunk():
@@ -84,7 +84,7 @@ def test_a_dead_writer_is_an_error_not_a_hang():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sync_save_aliases_views_instead_of_cloning(dtype):
-    from pretrain.async_writer import own_storage_alias
+    from pretrain.checkpointing.async_writer import own_storage_alias
 
     whole = torch.arange(40).to(dtype)
     view = whole[10:30].view(4, 5)  # a parameter inside DDP's flat buffer
@@ -99,7 +99,7 @@ def test_sync_save_aliases_views_instead_of_cloning(dtype):
     ({"SLURM_TASKS_PER_NODE": "4,3"}, 4), ({}, 1),
 ])
 def test_staging_room_is_shared_by_the_node_ranks(monkeypatch, env, expected):
-    from pretrain.async_writer import _ranks_on_this_node
+    from pretrain.checkpointing.async_writer import _ranks_on_this_node
 
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
@@ -116,7 +116,7 @@ def test_write_results_manager_outlives_slurm_stop_signals():
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain.async_writer import start_write_results_queue
+    from pretrain.checkpointing.async_writer import start_write_results_queue
 
     start_write_results_queue()
     results = filesystem_async._results_queue

@@ -10,7 +10,7 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False) -> dict
     """
     from pretrain.cli import resolve_config
     from pretrain.runtime import shutdown
-    from pretrain.trainer import setup, train as train_loop
+    from pretrain.loop import setup, train as train_loop
 
     config = resolve_config(recipe, None, overrides)
     run = setup(config)
@@ -49,16 +49,17 @@ def logged_losses(results: list[dict]) -> list[float]:
 
 def optimizer_state_vs_megatron(recipe: str, overrides: list[str]) -> dict:
     """Train, then build the optimizer's save-time sharded state twice: with Megatron's own
-    `fully_reshardable` code and with pretrain/optimizer_state.py. Returns, for this rank,
+    `fully_reshardable` code and with pretrain/megatron_fixes/optimizer_save.py. Returns, for this rank,
     how many state tensors each produced and which differ in metadata or values."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factories
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
-    from pretrain import checkpoint, optimizer_state
+    from pretrain.checkpointing import checkpointer as checkpoint
+    from pretrain.megatron_fixes.optimizer import megatron_reshardable_save
     from pretrain.cli import resolve_config
     from pretrain.runtime import shutdown
-    from pretrain.trainer import setup, train as train_loop
+    from pretrain.loop import setup, train as train_loop
 
     def tensors(state) -> dict:
         state = extract_sharded_tensors_and_factories(state or {})[0]
@@ -72,8 +73,8 @@ def optimizer_state_vs_megatron(recipe: str, overrides: list[str]) -> dict:
         model_sd = {f"model{i}" if len(run.state.model) > 1 else "model": c.module.sharded_state_dict()
                     for i, c in enumerate(run.state.model)}
         meta = checkpoint.OPTIM_METADATA
-        theirs = tensors(run.state.optimizer.sharded_state_dict(model_sd, metadata=meta))
-        optimizer_state.install(run.state.optimizer)
+        with megatron_reshardable_save():
+            theirs = tensors(run.state.optimizer.sharded_state_dict(model_sd, metadata=meta))
         ours = tensors(run.state.optimizer.sharded_state_dict(model_sd, metadata=meta))
         ours = {k: v for k, v in ours.items() if "optimizer.state." in k[0]}
         theirs_main = {k: v for k, v in theirs.items() if "optimizer.state." in k[0]}

@@ -28,7 +28,6 @@ import os
 import queue
 import signal
 import traceback
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -36,12 +35,11 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.torch import (
-    MCoreSavePlanner,
-    TorchDistSaveShardedStrategy,
-)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
+from pretrain.megatron_fixes import checkpointing as checkpointing_fixes
+from pretrain.megatron_fixes.checkpointing import tensors_through
 from pretrain.runtime import collective_device
 
 SHM_MARGIN = 64 << 20  # left free in the tmpfs for everything else that uses it
@@ -126,33 +124,9 @@ def _mem_available() -> int:
     return 1 << 62  # not Linux: unknown, not limited here
 
 
-@contextmanager
-def _resolved_tensors(convert):
-    """While active, every tensor dist_checkpointing's save planner hands to the writer goes
-    through convert((key, chunk offset), tensor) first (the planner resolves all of them
-    before save() returns)."""
-    own = MCoreSavePlanner.__dict__.get("resolve_data")
-    inherited = MCoreSavePlanner.resolve_data
-
-    def resolve_data(self, write_item):
-        data = inherited(self, write_item)
-        if isinstance(data, torch.Tensor):
-            data = convert((write_item.index.fqn, tuple(write_item.index.offset or ())), data)
-        return data
-
-    MCoreSavePlanner.resolve_data = resolve_data
-    try:
-        yield
-    finally:
-        if own is None:
-            del MCoreSavePlanner.resolve_data
-        else:
-            MCoreSavePlanner.resolve_data = own
-
-
 def staging(pool: StagingPool):
     """Async save: every tensor written is first copied into the pool."""
-    return _resolved_tensors(pool.stage)
+    return tensors_through(pool.stage)
 
 
 def without_clones():
@@ -160,7 +134,7 @@ def without_clones():
     tensor that is a view (all parameters and optimizer states are) into fresh memory: the
     whole state twice over (a ~1B model's 15 GB no longer fit in 24 GB), and ~1 s per GB
     of page faults. Each tensor is handed over as an alias with its own storage instead."""
-    return _resolved_tensors(lambda key, data: own_storage_alias(data))
+    return tensors_through(lambda key, data: own_storage_alias(data))
 
 
 def own_storage_alias(data: torch.Tensor) -> torch.Tensor:
@@ -181,7 +155,7 @@ def helper_process_init() -> None:
     process of the job step, and a spawned child would die of it while its rank saves (seen:
     Megatron's write-results Manager killed as it started, the stop-save failing). The rank
     decides when to stop; its helpers die with it (PR_SET_PDEATHSIG)."""
-    from data_pipeline.workers import die_with_parent
+    from data_pipeline.processes import die_with_parent
 
     die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -189,25 +163,18 @@ def helper_process_init() -> None:
 
 
 def start_write_results_queue() -> None:
-    """Start dist_checkpointing's write-results Manager (every save, sync or async, reports
-    through it) now, as a helper process; Megatron would spawn it at the first save, seconds
-    long and, under Slurm, exposed to a stop signal arriving meanwhile."""
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=helper_process_init)
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    """dist_checkpointing's write-results Manager, started now as a helper process
+    (megatron_fixes.checkpointing says why)."""
+    checkpointing_fixes.start_write_results_queue(helper_process_init)
 
 
 def _writer_loop(requests, done, parent_pid: int) -> None:
     """The writer process: run each request's write function, report its index or error."""
-    from data_pipeline.workers import get_unless_orphaned
-    # Imported now, while the trainer is still starting, not when the first save arrives.
-    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401
+    from data_pipeline.processes import get_unless_orphaned
 
+    # A fresh (spawned) interpreter: shards must be hashed as they are written here too.
+    # This also imports dist_checkpointing's writer now, while the trainer is starting.
+    checkpointing_fixes.install_write_hashing()
     helper_process_init()
     # Training comes first: the writer (and the per-file processes it starts) gets the CPU
     # time training leaves; its work is mostly copying into the page cache and fsync.

@@ -57,23 +57,45 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, loss_mask)
 
 
-def _reduce_loss(losses: list[dict]) -> Optional[float]:
-    """Global mean loss per token, on the last pipeline stage (None elsewhere)."""
+def _loss_sums(losses: list[dict]) -> Optional[torch.Tensor]:
+    """[loss sum, token count] over the global batch, on the last pipeline stage (None elsewhere)."""
     if not losses:
         return None
     total = torch.stack([d["lm loss"] for d in losses]).sum(0)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dist.all_reduce(total, group=group)
-    return (total[0] / total[1].clamp(min=1)).item()
+    return total
+
+
+def _reduce_loss(losses: list[dict]) -> Optional[float]:
+    """Global mean loss per token, on the last pipeline stage (None elsewhere)."""
+    total = _loss_sums(losses)
+    return None if total is None else (total[0] / total[1].clamp(min=1)).item()
+
+
+def _agree(losses: list[dict], grads_bad: bool) -> tuple[float, bool]:
+    """One collective per step: every rank learns the step's loss (from the last stage; NaN if
+    it is not finite) and whether any rank's gradients are non-finite."""
+    total = _loss_sums(losses)
+    loss = (total[0] / total[1].clamp(min=1)).item() if total is not None else float("-inf")
+    bad_loss = not math.isfinite(loss) and total is not None
+    flags = torch.tensor([loss if not bad_loss else float("-inf"), float(grads_bad), float(bad_loss)],
+                         dtype=torch.float64, device=collective_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return (float("nan") if flags[2].item() else flags[0].item()), bool(flags[1].item())
 
 
 @dataclasses.dataclass
 class StepResult:
-    loss: Optional[float]  # None on ranks without the last stage
+    loss: float  # global mean per token, on every rank (NaN if it was not finite)
     grad_norm: Optional[float]
     lr: float
-    skipped: bool
+    skipped: bool  # no update was applied
     compute_time_s: float  # forward/backward + optimizer, excluding data fetch
+    # Loss or gradients were NaN/Inf (checkpoint.on_nan decides); an fp16 overflow that the
+    # dynamic loss scaler handled is `skipped` without being `non_finite`.
+    non_finite: bool = False
+    loss_scale: Optional[float] = None  # fp16: the dynamic loss scale after this step
     # MoE router losses of the step (without their coefficients), mean over MoE layers
     # and micro-batches: load balancing (1.0 = perfectly even) and z-loss; None if off.
     moe_aux_loss: Optional[float] = None
@@ -114,15 +136,13 @@ def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> dict[s
     return {name: float(value) for name, value in totals.items()}
 
 
-def grads_finite(state: TrainingState) -> bool:
-    """True on every rank iff no rank has a NaN/Inf gradient (one sum per grad buffer)."""
-    bad = torch.zeros(1, device=collective_device())
+def _local_grads_bad(state: TrainingState) -> bool:
+    """Whether this rank holds a NaN/Inf gradient (one sum per grad buffer, no collective)."""
     for chunk in state.model:
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             if not torch.isfinite(buffer.grad_data.float().sum()):
-                bad.fill_(1.0)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0.0
+                return True
+    return False
 
 
 def _inject_nan(state: TrainingState) -> None:
@@ -132,30 +152,42 @@ def _inject_nan(state: TrainingState) -> None:
 
 def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
                num_microbatches: int, step: int) -> StepResult:
+    """Forward/backward over the global batch, then the update unless gradients are not finite.
+
+    Non-finite gradients are found once per step: in fp16 by Megatron's dynamic loss scaler
+    (the optimizer's `found_inf`: it skips the update, reports it and lowers the scale);
+    otherwise by a local check folded into the step's one loss all-reduce, before the
+    optimizer (a NaN grad norm would poison every weight through clipping). A non-finite loss
+    also skips the update (in fp16 that is a forward overflow, which no loss scale fixes).
+    """
     start = time.perf_counter()
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = run_schedule(state, iterators, config, num_microbatches, forward_only=False)
-    loss = _reduce_loss(losses)
     router = moe_router_losses(config, num_microbatches)
     moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"))
     if config.runtime.inject_nan_step == step:
         _inject_nan(state)
-    # Checked before the optimizer: a NaN grad norm would otherwise poison every weight
-    # through clipping (coefficient max_norm / NaN).
-    if not grads_finite(state):
+    fp16 = config.runtime.dtype == "fp16"
+    loss, grads_bad = _agree(losses, grads_bad=not fp16 and _local_grads_bad(state))
+    lr = state.optimizer.param_groups[0]["lr"]
+    if grads_bad or not math.isfinite(loss):
         fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
-        return StepResult(loss, float("nan"), state.optimizer.param_groups[0]["lr"], True,
-                          time.perf_counter() - start - fetch, **moe)
+        return StepResult(loss, float("nan"), lr, True, time.perf_counter() - start - fetch, non_finite=True, **moe)
     update_ok, grad_norm, _ = state.optimizer.step()
-    skipped = not update_ok
     if update_ok:
         state.scheduler.step(increment=1)
     lr = state.optimizer.param_groups[0]["lr"]
     grad_norm = float(grad_norm) if grad_norm is not None else None
     fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
-    return StepResult(loss, grad_norm, lr, skipped, time.perf_counter() - start - fetch, **moe)
+    return StepResult(loss, grad_norm, lr, not update_ok, time.perf_counter() - start - fetch,
+                      loss_scale=_loss_scale(state) if fp16 else None, **moe)
+
+
+def _loss_scale(state: TrainingState) -> Optional[float]:
+    scale = state.optimizer.get_loss_scale()
+    return float(scale) if scale is not None else None
 
 
 @torch.no_grad()
@@ -171,8 +203,3 @@ def evaluate(state: TrainingState, iterators: list, config: ExperimentConfig,
     for chunk in state.model:
         chunk.train()
     return total / count if count else None
-
-
-def is_finite(value: Optional[float]) -> bool:
-    return value is None or math.isfinite(value)
-

@@ -1,11 +1,11 @@
 """Checkpoint save/load benchmark: time, bytes written, and the training stall of async save.
 
     # tiny-llama, one rank, 3 repeats:
-    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3
+    torchrun --nproc-per-node 1 -m pretrain.checkpointing.benchmark --recipe tiny-llama --repeats 3
     # a ~1B-parameter Llama shape (hidden 2048, 18 layers, 32k vocab), fp32 + Adam state
     # (15 GB: staging an async save, or Megatron's load, would need as much again, so on a
     # 24 GB machine, sync saves only):
-    torchrun --nproc-per-node 1 -m pretrain.checkpoint_benchmark --recipe tiny-llama --repeats 3 --no-async --no-load \
+    torchrun --nproc-per-node 1 -m pretrain.checkpointing.benchmark --recipe tiny-llama --repeats 3 --no-async --no-load \
         model.num_layers=18 model.hidden_size=2048 model.ffn_hidden_size=5632 \
         model.num_attention_heads=16 model.num_query_groups=4 model.vocab_size=32000
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -42,23 +41,22 @@ def _timed_steps(step_fn, count: int) -> float:
     return (time.perf_counter() - start) / count
 
 
-def _async_save(run, root: Path, async_saver, step_fn) -> dict:
+def _async_save(run, step: int, async_saver, step_fn) -> dict:
     """One async save while training goes on. One checkpointer serves every repeat, as in
     training: its writer process and staging memory are made once (the first repeat's stall
     includes allocating the staging memory)."""
     out = {}
-    async_saver.root = root / "async"
     baseline = _timed_steps(step_fn, 2)  # a training step without a save in flight
     start = time.perf_counter()
-    async_saver.save(1, run.state)
+    async_saver.save_now(step, run.state)
     out["async_stall_s"] = time.perf_counter() - start
-    if not async_saver.queue.get_num_unfinalized_calls():
+    if not async_saver.pending():
         raise SystemExit("the async save ran synchronously (no room to stage it: see the log); "
                          "rerun with --no-async or on a machine with more memory")
     # Training goes on while the writer works, as in the loop (which polls once per step);
     # the writer's CPU and disk use slow these steps down on a CPU-only machine.
     during = []
-    while async_saver.queue.get_num_unfinalized_calls():
+    while async_saver.pending():
         step_start = time.perf_counter()
         step_fn()
         during.append(time.perf_counter() - step_start)
@@ -70,31 +68,38 @@ def _async_save(run, root: Path, async_saver, step_fn) -> dict:
     return out
 
 
-def _one_repeat(run, root: Path, async_saver, step_fn, load: bool) -> dict:
-    from pretrain import checkpoint
+def _saver(run, root: Path, async_save: bool):
+    """A checkpointer into `root` keeping one checkpoint (repeats save steps 1, 2, ...)."""
+    from pretrain.checkpointing.checkpointer import Checkpointer
+
+    ckpt = run.config.checkpoint.model_copy(update={"dir": str(root), "async_save": async_save, "keep_last": 1})
+    return Checkpointer(run.config.model_copy(update={"checkpoint": ckpt}), run.world_size, lambda m: None)
+
+
+def _one_repeat(run, step: int, sync_saver, async_saver, step_fn, load: bool) -> dict:
+    from pretrain.checkpointing.checkpointer import load as load_checkpoint
+    from pretrain.checkpointing.format import step_dir_name
 
     out = {}
-    sync_cfg = run.config.model_copy(update={"checkpoint": run.config.checkpoint.model_copy(
-        update={"dir": str(root / "sync"), "async_save": False})})
-    saver = checkpoint.Checkpointer(sync_cfg, run.world_size, lambda m: None)
     start = time.perf_counter()
-    saver.save(1, run.state)
+    sync_saver.save_now(step, run.state)
     out["sync_save_s"] = time.perf_counter() - start
-    out["bytes"] = _dir_bytes(root / "sync" / "step_00000001")
+    saved = sync_saver.root / step_dir_name(step)
+    out["bytes"] = _dir_bytes(saved)
 
     if async_saver is not None:
-        out.update(_async_save(run, root, async_saver, step_fn))
+        out.update(_async_save(run, step, async_saver, step_fn))
 
     if load:
         start = time.perf_counter()
-        checkpoint.load(root / "sync" / "step_00000001", run.state, sync_cfg, run.world_size, lambda m: None)
+        load_checkpoint(saved, run.state, sync_saver.config, run.world_size, lambda m: None)
         out["load_s"] = time.perf_counter() - start
     dist.barrier()
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.checkpoint_benchmark", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pretrain.checkpointing.benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="tiny-llama")
     parser.add_argument("--repeats", type=int, default=3)
@@ -114,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.cli import resolve_config
     from pretrain.data import chunk_iterators
     from pretrain.runtime import shutdown
-    from pretrain.train import train_step
-    from pretrain.trainer import setup
+    from pretrain.step import train_step
+    from pretrain.loop import setup
+    from pretrain.megatron_fixes.optimizer_save import distributed_optimizers
 
     base = ["data.demo=false", "data.mock=true", "schedule.train_steps=1000", "schedule.seq_length=64",
             "schedule.micro_batch_size=1", "schedule.global_batch_size=1", "schedule.eval_interval=0",
@@ -126,28 +132,19 @@ def main(argv: list[str] | None = None) -> int:
         run = setup(config)
         iters = chunk_iterators(run.datasets.train, config, 0, len(run.datasets.train))
         step_fn = lambda: train_step(run.state, iters, config, run.num_microbatches, 1)
-        from pretrain.optimizer_state import distributed_optimizers
-
         for opt in distributed_optimizers(run.state.optimizer):
             for group in opt.optimizer.param_groups:
                 # torch's multi-tensor Adam makes whole-model temporaries (+4 GB at 1B
                 # parameters); one tensor at a time keeps the benchmark within 24 GB.
                 group["foreach"] = False
         step_fn()  # Adam state exists
-        from pretrain.checkpoint import Checkpointer
-
-        async_cfg = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
-            update={"dir": str(Path(tmp) / "async"), "async_save": True})})
-        async_saver = None if args.no_async else Checkpointer(async_cfg, run.world_size, print)
-        results = []
-        for i in range(args.repeats):
-            root = Path(tmp) / f"r{i}"
-            results.append(_one_repeat(run, root, async_saver, step_fn, not args.no_load))
-            if dist.get_rank() == 0:
-                shutil.rmtree(root, ignore_errors=True)
-            dist.barrier()
-        if async_saver is not None:
-            async_saver.close()
+        sync_saver = _saver(run, Path(tmp) / "sync", async_save=False)
+        async_saver = None if args.no_async else _saver(run, Path(tmp) / "async", async_save=True)
+        results = [_one_repeat(run, i + 1, sync_saver, async_saver, step_fn, not args.no_load)
+                   for i in range(args.repeats)]
+        for saver in (sync_saver, async_saver):
+            if saver is not None:
+                saver.close()
         if dist.get_rank() == 0:
             _report(args, config, results, total_params(config.model))
         shutdown()

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from launch.candidate import Candidate
-from launch.devices import Device
-from launch.memory import GRAD_BYTES, edge_stages, params_on_rank
+from launch.planner.candidate import Candidate
+from launch.planner.devices import Device
+from launch.planner.memory import GRAD_BYTES, edge_stages, params_on_rank
 from models.flops import forward_flops_per_token, training_flops_per_step
 
 

@@ -15,13 +15,13 @@ parameter's shape and sharding), and that is all loading needs. So for a save:
   only DP rank 0 returns state, as Megatron's memory-efficient variant does.
 
 Loading is Megatron's own `fully_reshardable` path, unchanged, so checkpoints from either
-side load the same way at any layout.
+side load the same way at any layout. Routed in by `megatron_fixes.optimizer`; a test
+(`test_optimizer_save_state_matches_megatron`) compares both implementations tensor for tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -42,21 +42,10 @@ def distributed_optimizers(optimizer) -> list:
     return [opt for opt in inner if isinstance(opt, DistributedOptimizer)]
 
 
-def install(optimizer) -> None:
-    """Route each distributed optimizer's `fully_reshardable` save through this module;
-    loading (is_loading=True) keeps Megatron's implementation."""
-    for opt in distributed_optimizers(optimizer):
-        if getattr(opt, "_fast_reshardable_save", False):
-            continue
-        original = opt.sharded_param_state_fully_reshardable
-        opt.sharded_param_state_fully_reshardable = partial(_sharded_param_state, opt, original, {})
-        opt._fast_reshardable_save = True
-
-
-def _sharded_param_state(opt, original, buffers: dict, model_sharded_state_dict, is_loading=False,
-                         metadata=None):
-    if is_loading:
-        return original(model_sharded_state_dict, is_loading, metadata)
+def sharded_param_state_for_save(opt, model_sharded_state_dict) -> dict | None:
+    """`DistributedOptimizer.sharded_param_state_fully_reshardable(..., is_loading=False)`,
+    the same state dict without the triple copy (None on DP ranks other than 0)."""
+    buffers = opt.__dict__.setdefault("_fast_save_buffers", {})  # reused from save to save
     group = _gather_group(opt)
     if group.size() > 1 and group.rank() != 0:
         _send_shards(opt, group, buffers)

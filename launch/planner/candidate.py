@@ -95,7 +95,7 @@ class Candidate:
 
     @property
     def etp(self) -> int:
-        return self.layout.expert_tensor_parallel or self.layout.tensor_parallel
+        return self.layout.expert_tp
 
     @property
     def dp(self) -> int:
@@ -110,7 +110,7 @@ class Candidate:
     @property
     def expert_shard(self) -> int:
         """Ranks that share one copy of an expert parameter: expert-DP = world / (ETP x EP x PP)."""
-        return self.world_size // (self.etp * self.ep * self.pp)
+        return self.layout.expert_data_parallel(self.world_size)
 
     @property
     def num_microbatches(self) -> int:

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from launch.sweep_spec import Point
+from launch.sweeps.spec import Point
 from models.flops import total_params, training_flops_per_token
 
 COLUMNS = ["point", "gpus", "params", "status", "steps", "tokens", "flops", "final_loss", "step_time_s",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,11 +31,12 @@ from pretrain.metrics import (
     info,
     peak_memory_gb,
 )
-from pretrain.runtime import collective_device, init_distributed, is_logging_rank, world_size_from_env
-from pretrain import checkpoint
+from pretrain.runtime import init_distributed, is_logging_rank, world_size_from_env
+from pretrain.checkpointing import checkpointer as checkpoint
+from pretrain.checkpointing.resume import plan_resume, settle
 from pretrain.signals import StopRequest
-from pretrain.train import evaluate, is_finite, train_step
-from pretrain.wrap import DTYPES, TrainingState, wrap_for_training
+from pretrain.step import evaluate, train_step
+from pretrain.wrap import TrainingState, wrap_for_training
 
 
 @dataclasses.dataclass
@@ -59,11 +59,14 @@ def setup(config: ExperimentConfig) -> Run:
     stop = StopRequest(config.checkpoint.exit_after_minutes)
     world_size = world_size_from_env()
     validate_for_world(config, world_size)  # before any process group exists
-    validate_for_machine(config)  # the spec `auto` resolves to here can run this config
-    resume_from = checkpoint.resolve_resume(config, print)  # bad checkpoint paths fail here
-    if resume_from is not None:
-        checkpoint.check_compatible(resume_from, config)
+    spec = validate_for_machine(config)  # the spec `auto` resolves to here can run this config
+    resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
+    if resume.first is not None:
+        checkpoint.check_compatible(resume.first, config)
     env = init_distributed(config.parallel, seed=config.runtime.seed)
+    resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
+    if resume_from is not None and resume_from != resume.first:
+        checkpoint.check_compatible(resume_from, config)
     log_rank = is_logging_rank()
     run_dir = Path(config.logging.run_dir)
     if env.rank == 0:
@@ -72,11 +75,7 @@ def setup(config: ExperimentConfig) -> Run:
     info(f"[{config.name}] world {world_size} = {config.parallel.describe(world_size)} "
          f"({env.source}, {'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}), run dir {run_dir}",
          env.rank == 0)
-    chunks = build_model_chunks(
-        config.model, config.parallel, seed=config.runtime.seed, spec=config.runtime.spec,
-        params_dtype=DTYPES[config.runtime.dtype], recompute=config.runtime.recompute,
-        fp8=config.runtime.fp8, moe_grouped_gemm=config.runtime.moe_grouped_gemm,
-    )
+    chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}))
     state = wrap_for_training(chunks, config)
     start_step = 0
     if resume_from is not None:
@@ -95,20 +94,12 @@ def setup(config: ExperimentConfig) -> Run:
     )
 
 
-def _broadcast_loss(loss: Optional[float]) -> float:
-    """Every rank learns the step's loss (from the last pipeline stage) for NaN checks."""
-    value = torch.tensor([loss if loss is not None else float("-inf")], dtype=torch.float64,
-                         device=collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value.item()
-
-
 def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
     """Train from `start_step` to `schedule.train_steps` (or a stop request).
 
     Each iteration: step -> NaN policy -> log -> evaluate -> checkpoint -> stop check.
     """
-    config, sched, ckpt = run.config, run.config.schedule, run.config.checkpoint
+    config, sched = run.config, run.config.schedule
     gbs = sched.global_batch_size
     train_iters = chunk_iterators(run.datasets.train, config, start_step * gbs, sched.train_steps * gbs)
     stop = run.stop
@@ -118,23 +109,19 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
     last = time.perf_counter()
     for step in range(start_step + 1, sched.train_steps + 1):
         result = train_step(run.state, train_iters, config, run.num_microbatches, step)
-        loss = _broadcast_loss(result.loss)
-        if result.skipped or not is_finite(loss):
+        if result.skipped:
             skipped += 1
-            _handle_non_finite(run, step, loss, result, skipped)
+            _report_skip(run, step, result, skipped)
         now = time.perf_counter()
         step_time, last = now - last, now
-        metrics = _step_metrics(run, step, loss, result, step_time)
+        metrics = _step_metrics(run, step, result, step_time, skipped)
         history.append(metrics)
         if step % config.logging.log_interval == 0 or step == sched.train_steps or metrics.skipped:
             run.writer.log(metrics, sched.train_steps)
         if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
             _run_eval(run, step)
         reason = stop.reason()
-        final = step == sched.train_steps or reason is not None
-        saver.poll()
-        if ckpt.dir and ((ckpt.save_interval and step % ckpt.save_interval == 0) or final):
-            saver.save(step, run.state)
+        saver.save(step, run.state, last_step=step == sched.train_steps, stop=reason is not None)
         if reason is not None:
             info(f"stopping after step {step}: {reason}", dist.get_rank() == 0)
             break
@@ -143,25 +130,31 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
     return history
 
 
-def _handle_non_finite(run: Run, step: int, loss: float, result, skipped: int) -> None:
-    """`checkpoint.on_nan=skip`: the update was not applied; count it. `stop`: raise, saving nothing."""
-    where = f"step {step} (loss {loss}, grad norm {result.grad_norm}) seen on rank {dist.get_rank()}"
-    if run.config.checkpoint.on_nan == "stop":
-        raise FloatingPointError(
-            f"non-finite loss or gradients at {where}; no checkpoint was written for this step. "
-            "Lower optimizer.lr, check the data, or set checkpoint.on_nan=skip"
-        )
-    result.skipped = True
-    info(f"warning: skipped the update of {where}; {skipped} step(s) skipped so far", run.log_rank)
+def _report_skip(run: Run, step: int, result, skipped: int) -> None:
+    """A step without an update. Non-finite loss or gradients: `checkpoint.on_nan=stop` raises
+    (saving nothing), `skip` warns. An fp16 overflow that the dynamic loss scaler caught is
+    routine: it lowered the scale; say so."""
+    where = f"step {step} (loss {result.loss}, grad norm {result.grad_norm})"
+    if result.non_finite:
+        if run.config.checkpoint.on_nan == "stop":
+            raise FloatingPointError(
+                f"non-finite loss or gradients at {where} seen on rank {dist.get_rank()}; no checkpoint "
+                "was written for this step. Lower optimizer.lr, check the data, or set checkpoint.on_nan=skip"
+            )
+        info(f"warning: skipped the update of {where}; {skipped} step(s) skipped so far", run.log_rank)
+    else:
+        info(f"fp16 gradient overflow at {where}: update skipped, loss scale lowered to "
+             f"{result.loss_scale:g}; {skipped} step(s) skipped so far", run.log_rank)
 
 
-def _step_metrics(run: Run, step: int, loss: float, result, step_time: float) -> StepMetrics:
+def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: int) -> StepMetrics:
     tps, tps_dev, tflops, mfu = run.throughput.compute(step_time)
     return StepMetrics(
-        step=step, loss=loss, lr=result.lr, grad_norm=result.grad_norm, step_time_s=step_time,
+        step=step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm, step_time_s=step_time,
         tokens_per_s=tps, tokens_per_s_per_device=tps_dev, tflops_per_device=tflops, mfu=mfu,
         peak_mem_gb=peak_memory_gb(), overhead_frac=max(0.0, 1.0 - result.compute_time_s / step_time),
-        skipped=result.skipped, moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss,
+        skipped=result.skipped, skipped_steps=skipped_total, loss_scale=result.loss_scale,
+        moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss,
     )
 
 
@@ -184,6 +177,7 @@ def main_train(config: ExperimentConfig) -> int:
         run = setup(config)
     except (ConfigError, checkpoint.CheckpointError) as exc:
         print(f"error: {exc}", flush=True)
+        shutdown()  # the process group, if the error came after it (a damaged checkpoint)
         return 2
     try:
         history = train(run, run.start_step)

@@ -1,9 +1,12 @@
-"""CPU stand-ins that let Megatron-Core 0.16 run its real code paths on CPU through gloo.
+"""CPU stand-ins that let Megatron-Core run its real code paths on CPU through gloo.
 
-Applied by ONE explicit call, `enable_cpu_execution()`, during runtime start-up and only
-when CUDA is absent; never at import time. Each stand-in changes device placement or a
-CUDA-only API, never the math, and says which Megatron-Core call site needs it (measured
-facts: ../shared/notes/megatron-core-on-cpu.md).
+Applied by `pretrain.megatron_fixes.apply()` only when CUDA is absent; never at import time.
+Each stand-in changes device placement, a CUDA-only API or a gloo limitation, never the
+math, and says which Megatron-Core call site needs it (measured facts:
+shared/notes/megatron-core-on-cpu.md). Known for megatron-core 0.16.1 with torch 2.13.
+Guards: the Megatron functions replaced here (`_batched_p2p_ops`, the tensor-parallel RNG
+state accessors) are pinned by source digest; the torch collectives wrapped here by their
+signatures.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-_ENABLED = False
+from pretrain.megatron_fixes._guard import expect_signature, expect_sources
+
+# The Megatron-Core functions replaced here, by the digest of the source they replace.
+SOURCES = {
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state": "aa26caaa069c5c4f",
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": "b179c9d95438b61c",
+    "megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops": "4b0901807501c561",
+}
 _CPU = torch.device("cpu")
 
 
@@ -118,24 +128,19 @@ def _patch_torch_cuda() -> None:
     torch.Tensor.type = _type
 
 
-def _patch_megatron() -> None:
+def _patch_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     # tensor_parallel/random.py reads/writes torch.cuda.default_generators directly.
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.default_generator.get_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.default_generator.set_state(state)
 
-    # 0.16.1 without Transformer Engine: moe/moe_utils.py references te_general_gemm in the
-    # router but only defines it when TE imports (NameError otherwise).
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
 
 def _patch_all_to_all() -> None:
     """gloo's all_to_all_single needs split sizes as Python lists; the MoE alltoall
     dispatcher passes tensors, also from backward (where the function mode is inactive)."""
+    expect_signature("cpu", "torch.distributed:all_to_all_single",
+                     ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"))
     original = dist.all_to_all_single
 
     @functools.wraps(original)
@@ -161,6 +166,8 @@ def _patch_uneven_collectives() -> None:
     padded to the largest piece; reduce_scatter is an all-reduce of the concatenation
     from which each rank keeps its piece (same sum, more traffic: fine for tests).
     """
+    expect_signature("cpu", "torch.distributed:all_gather", ("tensor_list", "tensor", "group", "async_op"))
+    expect_signature("cpu", "torch.distributed:reduce_scatter", ("output", "input_list", "op", "group", "async_op"))
     original_all_gather = dist.all_gather
 
     @functools.wraps(original_all_gather)
@@ -221,21 +228,14 @@ def _patch_pipeline_p2p() -> None:
     p2p_communication._batched_p2p_ops = _batched_p2p_ops
 
 
-def enable_cpu_execution() -> None:
-    """Install the CPU stand-ins (idempotent). Call once at start-up when CUDA is absent."""
-    global _ENABLED
-    if _ENABLED:
-        return
+def apply() -> None:
+    """Install the CPU stand-ins (once; `megatron_fixes.apply` calls this when CUDA is absent)."""
     if torch.cuda.is_available():
-        raise RuntimeError("enable_cpu_execution() is for machines without CUDA")
+        raise RuntimeError("the CPU stand-ins are for machines without CUDA")
+    expect_sources("cpu", SOURCES)
     _patch_torch_cuda()
-    _patch_megatron()
+    _patch_rng_tracker()
     _patch_all_to_all()
     _patch_uneven_collectives()
     _patch_pipeline_p2p()
     _CudaToCpuMode().__enter__()  # stays active for the process lifetime (main thread)
-    _ENABLED = True
-
-
-def cpu_execution_enabled() -> bool:
-    return _ENABLED

@@ -11,8 +11,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from launch.memory import GIB, MemoryOptions, memory_on_stage
-from launch.plan import Evaluation, Plan
+from launch.planner.memory import GIB, MemoryOptions, memory_on_stage
+from launch.planner.search import Evaluation, Plan
 from pretrain.config import ExperimentConfig
 from pretrain.recipes import get_recipe
 

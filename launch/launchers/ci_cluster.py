@@ -1,10 +1,10 @@
 """A real single-node Slurm cluster on this machine: for CI, and for trying launch.slurm.
 
-    python -m launch.slurm_cluster install   # apt-get the Debian packages (root)
-    python -m launch.slurm_cluster start     # start munged + slurmctld + slurmd; prints SLURM_CONF
+    python -m launch.launchers.ci_cluster install   # apt-get the Debian packages (root)
+    python -m launch.launchers.ci_cluster start     # start munged + slurmctld + slurmd; prints SLURM_CONF
     export SLURM_CONF=/tmp/pretrain-slurm/slurm.conf
     sinfo; python -m launch.slurm --cpu --ntasks-per-node 4 ... --submit
-    python -m launch.slurm_cluster stop      # stop the daemons this directory started
+    python -m launch.launchers.ci_cluster stop      # stop the daemons this directory started
 
 Everything (munge key and socket, slurm.conf, spool, state, logs, PID files) lives under
 one directory (--dir, default $PRETRAIN_SLURM_DIR or /tmp/pretrain-slurm), so several
@@ -181,7 +181,7 @@ def start(paths: ClusterPaths, slots: int = MIN_SLOTS) -> bool:
     if missing:
         raise SlurmUnavailable(
             f"Slurm is not installed (missing: {', '.join(missing)}); install it with "
-            "`python -m launch.slurm_cluster install` (Debian: apt-get install "
+            "`python -m launch.launchers.ci_cluster install` (Debian: apt-get install "
             f"{' '.join(PACKAGES)})")
     paths.root.mkdir(parents=True, exist_ok=True)
     with _locked(paths):
@@ -247,7 +247,7 @@ def _locked(paths: ClusterPaths):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.slurm_cluster", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m launch.launchers.ci_cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["install", "start", "status", "stop"])
     parser.add_argument("--dir", default=DEFAULT_DIR, help="cluster directory (default %(default)s)")

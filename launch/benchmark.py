@@ -1,16 +1,16 @@
 """Training throughput benchmark: N steps of a recipe/layout, repeated, medians reported.
 
     # CPU, tiny-llama at TP2 x PP2 (4 gloo ranks), 3 repeats of 30 steps:
-    python -m pretrain.benchmark --recipe tiny-llama --nproc 4 --steps 30 --repeats 3 \
+    python -m launch.benchmark --recipe tiny-llama --nproc 4 --steps 30 --repeats 3 \
         parallel.tensor_parallel=2 parallel.pipeline_parallel=2
     # CPU, context parallelism: tiny-llama at seq 2048 (attention-dominated), CP2 vs CP1:
-    python -m pretrain.benchmark --recipe tiny-llama --nproc 2 --steps 6 --warmup 2 --repeats 2 \
+    python -m launch.benchmark --recipe tiny-llama --nproc 2 --steps 6 --warmup 2 --repeats 2 \
         parallel.context_parallel=2 model.max_seq_length=2048 schedule.seq_length=2048 \
         schedule.micro_batch_size=1 schedule.global_batch_size=2 data.demo=false data.mock=true
     # GPU: a llama3-8b-shaped model cut to the layers that fit one H100, BF16, seq 4096
     # (one H100 SXM, TE 2.11: 458 TFLOP/s = 46.3% MFU; micro-batch 1: 43.9%; add
     # runtime.fp8=hybrid for FP8: 503 TFLOP/s at micro-batch 1):
-    python -m pretrain.benchmark --recipe llama3-8b --nproc 1 --steps 15 --repeats 2 \
+    python -m launch.benchmark --recipe llama3-8b --nproc 1 --steps 15 --repeats 2 \
         model.num_layers=4 parallel.tensor_parallel=1 parallel.sequence_parallel=false \
         schedule.seq_length=4096 schedule.global_batch_size=8 schedule.micro_batch_size=2 \
         runtime.recompute=none data.mock=true
@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pretrain.cli import torchrun_command
+from launch.launchers.local import torchrun_command
 
 FIELDS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "overhead_frac")
 
@@ -73,7 +73,7 @@ def summarise(records: list[dict], warmup: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.benchmark", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m launch.benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--nproc", type=int, default=1)

@@ -7,7 +7,7 @@ c CP, EP/ETP expert parallel / expert TP, P parameters held by a rank.
 
 Static terms mirror what `pretrain.wrap.wrap_for_training` allocates (Megatron DDP with
 grad_reduce_in_fp32=True, Megatron's mixed-precision / distributed optimizer, Adam);
-tests/launch/test_static_memory.py checks them against the bytes actually allocated.
+tests/launch/test_memory_measured.py checks them against the bytes actually allocated.
 Activation terms follow Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (2022), generalised to GQA, SwiGLU, flash attention and MoE; with
 their assumptions (MHA, f=4h, GeLU, dropout, no flash) they reduce to the paper's
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from launch.candidate import Candidate
+from launch.planner.candidate import Candidate
 from models.config import ModelConfig
 from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params
 

@@ -1,0 +1,228 @@
+"""The planner's search: which parallel layouts of a config fit a cluster, fastest first.
+
+Enumerates TP (inside a node), PP, VPP, CP, EP, DP, micro batch, recompute and the
+distributed optimizer; keeps the combinations the training would accept
+(`pretrain.config.validate_for_world`); drops those whose memory (launch.planner.memory) exceeds
+the GPU, saying by how much and which terms; ranks the rest by estimated time per step
+(launch.planner.throughput). The command line is `launch.planner.cli` (`python -m launch.plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional, Sequence
+
+from launch.planner.candidate import Candidate
+from launch.planner.devices import Device
+from launch.planner.memory import GIB, MemoryBreakdown, MemoryOptions, peak_memory
+from launch.planner.throughput import StepEstimate, ThroughputOptions, estimate_step
+from models.config import divisors
+from pretrain.config import ConfigError, ExperimentConfig, validate_for_world
+
+
+class PlanError(ValueError):
+    """No plan is possible; the message says what would make one possible."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Values to try; None = every value the model and world size allow."""
+
+    tp: Optional[Sequence[int]] = None
+    pp: Optional[Sequence[int]] = None
+    vpp: Optional[Sequence[int]] = None  # 1 = no interleaving
+    cp: Optional[Sequence[int]] = None
+    ep: Optional[Sequence[int]] = None
+    micro_batch: Sequence[int] = (1, 2, 4, 8)
+    recompute: Sequence[str] = ("none", "selective", "full")
+    distributed_optimizer: Sequence[bool] = (True, False)
+    max_cp: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    candidate: Candidate
+    memory: MemoryBreakdown
+    estimate: Optional[StepEstimate]  # None when it does not fit
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    config: ExperimentConfig
+    world_size: int
+    device: Device
+    ranked: list[Evaluation]  # fitting, fastest first
+    dropped: list[Evaluation]  # valid but too large, closest to fitting first
+    invalid: int  # combinations the training would reject (divisibility, batch arithmetic)
+
+    @property
+    def best(self) -> Evaluation:
+        return self.ranked[0]
+
+
+def check_world(world_size: int, device: Device) -> None:
+    """TP groups must stay inside a node (NVLink), so a multi-node job needs whole nodes."""
+    node = device.gpus_per_node
+    if world_size < 1:
+        raise PlanError(f"--gpus must be positive, got {world_size}")
+    if world_size > node and world_size % node:
+        lower, upper = world_size // node * node, (world_size // node + 1) * node
+        raise PlanError(
+            f"{world_size} GPUs is not a whole number of {device.name} nodes ({node} GPUs each): "
+            f"tensor-parallel groups must stay inside a node; use {lower} or {upper} GPUs"
+        )
+
+
+def _pick(values: Optional[Sequence[int]], allowed: list[int]) -> list[int]:
+    return allowed if values is None else [v for v in allowed if v in values]
+
+
+def _layouts(config: ExperimentConfig, world: int, device: Device, space: SearchSpace) -> Iterator[dict]:
+    """Raw (tp, pp, vpp, cp, ep) combinations whose product divides the world size."""
+    m, seq = config.model, config.schedule.seq_length
+    for tp in _pick(space.tp, [d for d in divisors(world) if d <= device.gpus_per_node]):
+        for pp in _pick(space.pp, [d for d in divisors(world // tp) if m.num_layers % d == 0]):
+            vpps = [1] + ([v for v in divisors(m.num_layers // pp) if v > 1] if pp > 1 else [])
+            for vpp in _pick(space.vpp, vpps):
+                cps = [c for c in divisors(world // (tp * pp))
+                       if c <= space.max_cp and c & (c - 1) == 0 and seq % (2 * c) == 0]
+                for cp in _pick(space.cp, cps):
+                    eps = [1]
+                    if m.is_moe:
+                        eps = [e for e in divisors(m.num_experts) if (world // pp // tp) % e == 0]
+                    for ep in _pick(space.ep, eps):
+                        yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep)
+
+
+def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, space: SearchSpace
+                         ) -> tuple[list[Candidate], int]:
+    """Every combination the training accepts, and how many it would reject."""
+    from models.layout import ParallelLayout
+
+    base = Candidate.from_config(config, world)
+    valid, invalid = [], 0
+    for lay in _layouts(config, world, device, space):
+        layout = ParallelLayout(
+            tensor_parallel=lay["tp"], pipeline_parallel=lay["pp"],
+            virtual_pipeline=lay["vpp"] if lay["vpp"] > 1 else None, context_parallel=lay["cp"],
+            expert_parallel=lay["ep"], sequence_parallel=lay["tp"] > 1,
+        )
+        for mbs in space.micro_batch:
+            for recompute in space.recompute:
+                for dist_opt in space.distributed_optimizer:
+                    cand = dataclasses.replace(base, layout=layout, micro_batch=mbs,
+                                               recompute=recompute, distributed_optimizer=dist_opt)
+                    try:
+                        validate_for_world(cand.apply_to(config), world)
+                    except ConfigError:
+                        invalid += 1
+                        continue
+                    valid.append(cand)
+    return valid, invalid
+
+
+def evaluate(c: Candidate, device: Device, mem: MemoryOptions, tput: ThroughputOptions) -> Evaluation:
+    memory = peak_memory(c, mem)
+    fits = memory.total <= device.memory_bytes
+    return Evaluation(candidate=c, memory=memory, estimate=estimate_step(c, device, tput) if fits else None)
+
+
+def _rank_key(e: Evaluation) -> tuple[float, float]:
+    """Estimated step time to 3 significant digits, then memory: the model cannot tell
+    layouts apart by 0.1%, so among those the one with more headroom ranks first."""
+    return float(f"{e.estimate.step_s:.3g}"), e.memory.total
+
+
+def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, space: SearchSpace,
+                 memory_options: MemoryOptions, throughput_options: ThroughputOptions) -> Plan:
+    """Every valid layout evaluated and sorted; `ranked` may be empty (see `plan`)."""
+    check_world(world_size, device)
+    candidates, invalid = enumerate_candidates(config, world_size, device, space)
+    if not candidates:
+        raise PlanError(
+            f"no parallel layout of {config.name} is valid on {world_size} GPUs with global batch "
+            f"{config.schedule.global_batch_size} and micro batch in {list(space.micro_batch)}: the "
+            f"global batch must be a multiple of micro batch x DP; try --global-batch "
+            f"{_round_up(config.schedule.global_batch_size, world_size)} or a GPU count that divides it"
+        )
+    evaluated = [evaluate(c, device, memory_options, throughput_options) for c in candidates]
+    ranked = sorted((e for e in evaluated if e.fits), key=_rank_key)
+    dropped = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
+    return Plan(config=config, world_size=world_size, device=device, ranked=ranked, dropped=dropped,
+                invalid=invalid)
+
+
+def plan(config: ExperimentConfig, *, world_size: int, device: Device, space: SearchSpace = SearchSpace(),
+         memory_options: MemoryOptions = MemoryOptions(),
+         throughput_options: ThroughputOptions = ThroughputOptions()) -> Plan:
+    """Rank every valid layout of `config` on `world_size` x `device`; PlanError if none
+    fits, saying what would."""
+    result = rank_layouts(config, world_size=world_size, device=device, space=space,
+                          memory_options=memory_options, throughput_options=throughput_options)
+    if not result.ranked:
+        raise PlanError(no_fit_message(result, space, memory_options, throughput_options))
+    return result
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def no_fit_message(result: Plan, space: SearchSpace, mem: MemoryOptions, tput: ThroughputOptions) -> str:
+    """Why nothing fits (the closest miss, per term) and which changes would make it fit."""
+    closest = result.dropped[0]
+    limit = result.device.memory_bytes
+    lines = [
+        f"no layout of {result.config.name} fits {result.world_size} x {result.device.name} "
+        f"({limit / GIB:.1f} GiB each); {len(result.dropped)} valid layouts tried.",
+        f"closest: {closest.candidate.describe()} needs {closest.memory.describe()}, "
+        f"{(closest.memory.total - limit) / GIB:.1f} GiB too much.",
+        "would fit:",
+    ]
+    lines += [f"  - {fix}" for fix in suggest_fixes(result, space, mem, tput)] or [
+        "  - nothing tried (more GPUs up to 64x, full recompute, micro batch 1, half the sequence); "
+        "use a larger GPU (--gpu h200) or a smaller model"
+    ]
+    return "\n".join(lines)
+
+
+def suggest_fixes(result: Plan, space: SearchSpace, mem: MemoryOptions, tput: ThroughputOptions) -> list[str]:
+    """Re-plan with one change at a time and report those that produce a fitting layout."""
+    config, world, device = result.config, result.world_size, result.device
+    fixes = []
+
+    def fits(cfg: ExperimentConfig, gpus: int, sp: SearchSpace) -> Optional[Evaluation]:
+        try:
+            ranked = rank_layouts(cfg, world_size=gpus, device=device, space=sp, memory_options=mem,
+                                  throughput_options=tput).ranked
+        except PlanError:  # no valid layout at all there (batch arithmetic)
+            return None
+        return ranked[0] if ranked else None
+
+    node = device.gpus_per_node
+    for factor in (2, 4, 8, 16, 32, 64):
+        gpus = _round_up(world * factor, node) if world * factor > node else world * factor
+        best = fits(config, gpus, space)
+        if best:
+            fixes.append(f"more GPUs: {gpus} (best there: {best.candidate.describe()}, "
+                         f"{best.memory.total / GIB:.1f} GiB)")
+            break
+    if "full" not in space.recompute:
+        best = fits(config, world, dataclasses.replace(space, recompute=(*space.recompute, "full")))
+        if best:
+            fixes.append(f"recompute: allow full recompute (--recompute ... full): {best.candidate.describe()}")
+    if 1 not in space.micro_batch:
+        best = fits(config, world, dataclasses.replace(space, micro_batch=(1, *space.micro_batch)))
+        if best:
+            fixes.append(f"smaller micro batch: --micro-batch 1: {best.candidate.describe()}")
+    seq = config.schedule.seq_length
+    if seq >= 256:
+        shorter = config.model_copy(update=dict(schedule=config.schedule.model_copy(update=dict(seq_length=seq // 2))))
+        best = fits(shorter, world, space)
+        if best:
+            fixes.append(f"shorter sequence: --seq {seq // 2}: {best.candidate.describe()}")
+    return fixes

@@ -1,0 +1,299 @@
+"""In-training checkpoints on Megatron-Core `dist_checkpointing` (torch_dist format).
+
+The folder layout, metadata and `latest` pointer are `pretrain.checkpointing.format`'s. A
+save writes into `.tmp.step_N`, every rank barriers, rank 0 writes meta.json, config.yaml and
+`COMPLETE`, renames the directory to `step_N` and only then replaces `latest`. A crash at
+any point leaves the previous checkpoint complete and `latest` pointing at it.
+
+`Checkpointer` owns the save policy: the loop calls `checkpointer.save(step, state,
+last_step=..., stop=...)` once per step on every rank, and the checkpointer decides (every
+`save_interval` steps, the last step, a stop request), finalizes a finished async save,
+and applies keep-last-N.
+
+Model weights and the distributed optimizer state are saved in the fully reshardable form,
+so a checkpoint loads at any TP/PP/VPP/DP layout. Loading uses torch's `weights_only`
+unpickling for our own files (RNG); dist_checkpointing's `common.pt` holds only tensors,
+numbers and strings (the LR scheduler state).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing, tensor_parallel
+
+from pretrain.checkpointing import async_writer
+from pretrain.checkpointing.integrity import collect_file_table
+from pretrain.checkpointing.format import (
+    CONFIG,
+    CheckpointError,
+    CheckpointMeta,
+    complete_checkpoints,
+    read_latest,
+    mark_complete,
+    model_state_key,
+    rng_file,
+    step_dir_name,
+    tmp_dir_name,
+    write_latest,
+)
+from pretrain.config import ExperimentConfig, dump_yaml
+from pretrain.runtime import collective_device
+
+__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "load", "load_model_weights"]
+
+# The optimizer format that loads at any TP/PP/DP layout. 0.16.1's other reshardable
+# format, "fully_sharded_model_space", fails on flattened ranges ("ShardedTensor.
+# flattened_range is not supported"). Its save-time state is built by
+# megatron_fixes.optimizer_save.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _model_state(chunks: list) -> dict:
+    return {model_state_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _sharded_state(run_state, is_loading: bool) -> dict:
+    model_sd = _model_state([chunk.module for chunk in run_state.model])
+    state = dict(model_sd)
+    # Megatron runs a full gc.collect() in here (0.2 s with a model's worth of Python objects,
+    # a third of an async save's stall); with the existing objects frozen it only looks at
+    # the ones made since. Unfrozen right after, so nothing is kept from collection.
+    gc.freeze()
+    try:
+        state["optimizer"] = run_state.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=OPTIM_METADATA
+        )
+    finally:
+        gc.unfreeze()
+    return state
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _staging_fits(pool, state: dict, log) -> bool:
+    """Whether every rank's share of this save fits its shared memory for staging; if
+    not, this save is synchronous (training stalls for it, nothing is lost)."""
+    fits, need = pool.room_for(state)
+    flag = torch.tensor([0 if fits else 1], dtype=torch.int, device=collective_device())
+    dist.all_reduce(flag)
+    if int(flag.item()) == 0:
+        return True
+    log(f"warning: async checkpoint staging needs {need / 2**30:.2f} GiB of shared memory per "
+        f"rank; some rank's {pool.shm_dir} or memory has less room: saving synchronously instead "
+        "(enlarge /dev/shm, e.g. docker --shm-size, or set checkpoint.async_save=false)")
+    return False
+
+
+def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
+    """Write model/optimizer shards and RNG into the temporary directory.
+
+    With a staging pool (async save), returns dist_checkpointing's AsyncRequest: every
+    tensor has been copied into the pool, and the writer process writes from there while
+    training goes on. Without one, writes synchronously and returns None.
+    """
+    rank = dist.get_rank()
+    tmp = root / tmp_dir_name(step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a crashed earlier attempt at this step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(run_state, is_loading=False)
+    state["scheduler"] = run_state.scheduler.state_dict()
+    if pool is not None and not _staging_fits(pool, state, log):
+        pool = None
+    if pool is None:
+        with async_writer.without_clones():
+            request = dist_checkpointing.save(state, str(tmp))
+    else:
+        with async_writer.staging(pool):
+            request = dist_checkpointing.save(state, str(tmp), sharded_strategy=pool.strategy,
+                                              async_sharded_save=True)
+    rng_file(tmp, rank).parent.mkdir(exist_ok=True)
+    torch.save(_rng_state(), rng_file(tmp, rank))
+    return request
+
+
+def training_meta(config: ExperimentConfig, step: int, world_size: int) -> CheckpointMeta:
+    samples = step * config.schedule.global_batch_size
+    return CheckpointMeta(
+        step=step, consumed_samples=samples, consumed_tokens=samples * config.schedule.seq_length,
+        world_size=world_size, layout=config.parallel.model_dump(),
+        layout_name=config.parallel.describe(world_size), model=config.model.model_dump(),
+    )
+
+
+def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, keep_last: int, log) -> Path:
+    """Mark the checkpoint complete, move it into place, advance `latest` (all ranks call)."""
+    dist.barrier()  # every rank's shards are on disk
+    final = root / step_dir_name(step)
+    tmp = root / tmp_dir_name(step)
+    if dist.get_rank() == 0:
+        (tmp / CONFIG).write_text(dump_yaml(config))
+        meta = training_meta(config, step, world_size)
+        meta.files = collect_file_table(tmp)
+        meta.write(tmp)
+        mark_complete(tmp)
+        if final.exists():
+            # Not expected (resume refuses or moves newer checkpoints aside first, see
+            # pretrain.checkpointing.resume); still, never delete a checkpoint silently.
+            aside = root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}" / final.name
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            final.rename(aside)
+            log(f"warning: {final} existed; moved it to {aside}")
+        tmp.replace(final)
+        write_latest(root, final.name)
+        _retain(root, keep_last, final)
+    dist.barrier()
+    return final
+
+
+def _retain(root: Path, keep_last: int, saved: Path) -> None:
+    """Keep the newest keep_last complete checkpoints, and always the one just saved and the
+    one `latest` names; delete the rest."""
+    complete = complete_checkpoints(root)
+    keep = set(complete[-max(1, keep_last):]) | {saved}
+    latest = read_latest(root)
+    if latest is not None:
+        keep.add(root / latest)
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class Checkpointer:
+    """The save policy and the saves. `save(...)` is called once per step on every rank."""
+
+    def __init__(self, config: ExperimentConfig, world_size: int, log):
+        self.config, self.world_size, self.log = config, world_size, log
+        self.root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
+        self._queue = self._pool = None
+        if self.root is not None:
+            async_writer.start_write_results_queue()
+            if config.checkpoint.async_save:
+                self._queue, self._pool = async_writer.WriterQueue(), async_writer.StagingPool()
+
+    def save(self, step: int, run_state, *, last_step: bool = False, stop: bool = False) -> None:
+        """Finalize a finished async save; save this step if it is due (every
+        `checkpoint.save_interval` steps, the last step, or a stop request)."""
+        self.poll()
+        interval = self.config.checkpoint.save_interval
+        if self.root is not None and (last_step or stop or (interval and step % interval == 0)):
+            self.save_now(step, run_state)
+
+    def save_now(self, step: int, run_state) -> None:
+        """Save this step now (async if configured: returns once the state is staged)."""
+        if self.root is None:
+            raise CheckpointError("checkpoint.dir is unset: nowhere to save")
+        self.wait()  # at most one save in flight: the next save waits for the previous
+        request = _write_shards(self.root, step, run_state, self._pool, self.log)
+        keep = self.config.checkpoint.keep_last
+
+        def finalize():
+            self.log(f"saved checkpoint {_finalize(self.root, step, self.config, self.world_size, keep, self.log)}")
+
+        if request is None:
+            finalize()
+        else:
+            request.add_finalize_fn(finalize)
+            self._queue.schedule_async_request(request)
+
+    def pending(self) -> bool:
+        """Whether an async save is still being written (this rank's view)."""
+        return bool(self._queue is not None and self._queue.get_num_unfinalized_calls())
+
+    def poll(self) -> None:
+        """Finalize a finished async save without blocking (a collective: call on all ranks)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self.wait()
+            self._queue.close()
+
+
+def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
+    """Refuse a checkpoint of a different model; returns its metadata."""
+    meta = CheckpointMeta.read(path)
+    mine = config.model.model_dump()
+    diffs = [f"{k}: checkpoint {meta.model.get(k)!r} vs config {v!r}"
+             for k, v in mine.items() if meta.model.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} is from an incompatible model:\n  " + "\n  ".join(diffs))
+    return meta
+
+
+def load_model_weights(path: Path, chunks: list) -> None:
+    """Load only the model weights of a checkpoint into (unwrapped) chunks at this layout."""
+    loaded = dist_checkpointing.load(_model_state(chunks), str(path))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[model_state_key(i, len(chunks))])
+
+
+def _load_model_only(path: Path, run_state, meta: CheckpointMeta, log) -> int:
+    """Resume from a model-only checkpoint: weights (and the LR schedule if saved), a fresh
+    optimizer. The optimizer copied its main params from the initial weights when it was
+    built, so they are refreshed from the loaded ones."""
+    load_model_weights(path, [chunk.module for chunk in run_state.model])
+    run_state.optimizer.reload_model_params()
+    common = dist_checkpointing.load_common_state_dict(str(path)) or {}
+    if "scheduler" in common:
+        run_state.scheduler.load_state_dict(common["scheduler"])
+    log(f"loaded model weights from {path} (step {meta.step}); it holds no optimizer state, "
+        "so the optimizer starts fresh" + ("" if "scheduler" in common else " and the LR schedule at step 0"))
+    return meta.step
+
+
+def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) -> int:
+    """Load model, optimizer, scheduler (and RNG if the layout is unchanged); returns the step."""
+    meta = check_compatible(path, config)
+    if not meta.has_optimizer:
+        return _load_model_only(path, run_state, meta, log)
+    loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
+    for i, chunk in enumerate(run_state.model):
+        chunk.module.load_state_dict(loaded[model_state_key(i, len(run_state.model))])
+    run_state.optimizer.load_state_dict(loaded["optimizer"])
+    run_state.scheduler.load_state_dict(loaded["scheduler"])
+    now = config.parallel.describe(world_size)
+    rng = rng_file(path, dist.get_rank())
+    if meta.layout_name == now and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=True))
+        log(f"resumed from {path} at step {meta.step} (layout {now})")
+    else:
+        log(f"resumed from {path} at step {meta.step}: resharded from {meta.layout_name} to {now} "
+            "(RNG states not restored: they are per rank)")
+    return meta.step

@@ -1,0 +1,75 @@
+"""Every change this project makes to Megatron-Core's behaviour (and to the torch functions
+it calls), in one package, applied by one call.
+
+    from pretrain import megatron_fixes
+    megatron_fixes.apply()          # at start-up: pretrain.runtime.init_distributed does it
+
+Each module holds fixes of one kind. For every fix its docstring says what it changes, why
+(the upstream line or behaviour), the Megatron-Core versions it is known for, and it checks a
+guard (`_guard.expect_source`: a digest of the patched upstream source) that fails loudly at
+start-up when upstream has changed the patched object:
+
+- `no_te`: Megatron-Core 0.16.1 without Transformer Engine (a NameError in the MoE router).
+- `cpu`: stand-ins for CUDA APIs so the real code paths run on CPU through gloo (only when
+  CUDA is absent).
+- `optimizer`: the distributed optimizer's checkpoint paths with torch's AdamW (no TE/Apex):
+  loading a never-stepped optimizer, a `step` key missing from shards, a shared `step`
+  tensor after loading; and its fully-reshardable save state built without Megatron's
+  triple copy (`optimizer_save`).
+- `checkpointing`: dist_checkpointing's save planner hands tensors through a hook (async
+  staging, no clones for sync saves); the write-results Manager started up front.
+
+Not here, because it is per model rather than per process: `models/rope.py` completes
+Megatron-Core's Llama-3.1 RoPE scaling (GPTModel passes only the factor) with the model's
+low/high frequency factors and original context, called by models.build for every built
+model (models/ cannot import pretrain), with its own guard.
+
+`python -m pretrain.megatron_fixes --digests` prints the digest of every guarded object
+(to re-pin a fix after reading a new upstream version).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from pretrain.megatron_fixes._guard import UpstreamChanged  # noqa: F401 (re-exported: callers catch it)
+
+_APPLIED: set[str] = set()
+
+
+def quiet_cpu_fallback_warnings() -> None:
+    """Importing megatron.core without Transformer Engine/Apex warns four times that it falls
+    back to torch implementations ("Transformer Engine and Apex are not installed"). On a
+    machine without CUDA that is the only possible setup, so every CLI printed noise. With
+    CUDA the warnings stay: there a missing TE costs speed (and `runtime.spec=te` refuses to
+    start without it, in models.build.resolve_spec)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex are|Apex is) not installed",
+                                category=UserWarning)
+
+
+def apply(*, cpu: bool | None = None) -> None:
+    """Apply every fix this machine needs (idempotent). `cpu=None`: the CUDA stand-ins iff
+    CUDA is absent. Call before building models or optimizers."""
+    import torch
+
+    from pretrain.megatron_fixes import checkpointing, no_te, optimizer
+
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    quiet_cpu_fallback_warnings()
+    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("checkpointing", checkpointing.apply)]
+    if cpu:
+        from pretrain.megatron_fixes import cpu as cpu_fixes
+
+        fixes.insert(0, ("cpu", cpu_fixes.apply))
+    for name, fix in fixes:
+        if name not in _APPLIED:
+            fix()
+            _APPLIED.add(name)
+
+
+def applied() -> frozenset[str]:
+    return frozenset(_APPLIED)

@@ -1,0 +1,184 @@
+"""dist_checkpointing (torch_dist) save hooks. Known for megatron-core 0.16.1 with torch 2.13.
+
+1. A hook on the save planner's tensors. `MCoreSavePlanner` (strategies/torch.py) inherits
+   torch's `DefaultSavePlanner.resolve_data`, which returns each tensor the writer will
+   write; the planner resolves all of them before `dist_checkpointing.save` returns.
+   `apply()` installs a `resolve_data` on `MCoreSavePlanner` that passes each tensor through
+   the converter set by `tensors_through(convert)` (none outside it). Our checkpointing uses
+   it to stage an async save into reused shared memory, and to hand a sync save whole-storage
+   aliases instead of the clones of every view that the writer would otherwise make
+   (pretrain.checkpointing.async_writer says why each matters).
+2. The write-results Manager started up front. Every save (sync or async) reports through
+   `filesystem_async._get_write_results_queue()`, which spawns a multiprocessing Manager at
+   the first save: seconds of start-up, and under Slurm exposed to the stop signal that
+   asked for that very save (seen: the Manager killed by USR1 as it started, the stop-save
+   failing). `start_write_results_queue()` starts it when the checkpointer is made, as a
+   helper that ignores stop signals and dies with its rank, and sets the module global the
+   function returns from then on.
+3. Loading never runs code from a checkpoint. torch's `FileSystemReader.read_metadata`
+   (distributed/checkpoint/filesystem.py, `pickle.load`) unpickles a checkpoint's `.metadata`
+   with no restriction, and `DefaultLoadPlanner.load_bytes` (default_planner.py) unpickles
+   every stored object (Megatron's ShardedObjects, e.g. `_extra_state`) with
+   `torch.load(weights_only=False)`: a crafted file ran code on resume, reshard and export.
+   `read_metadata` now unpickles with `MetadataUnpickler`, which admits only the DCP metadata
+   classes a checkpoint's .metadata holds, and `load_bytes` with torch's weights-only
+   unpickler. checkpoints_tools read `.metadata` through `read_metadata_safely` (their reader
+   is torch's FileSystemReader too) and never unpickle stored objects. `common.pt` and our
+   `rng/*.pt` are read with `weights_only=True` (torch's default since 2.6) already.
+4. Shard files hashed as they are written. `FileSystemWriterAsync.write_preloaded_data`
+   (strategies/filesystem_async.py, every torch_dist save, sync or async) opens each shard
+   with `open_file = open; with open_file(file_name, "wb")`: the module global `open` is set
+   to `pretrain.checkpointing.integrity.hashing_open`, which hashes the bytes on their way
+   to the file (pretrain.checkpointing.integrity says what is done with the digests). Installed
+   in the trainer and in our async writer process (`install_write_hashing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+import pickle
+from typing import Callable, Optional
+
+import torch
+
+from pretrain.megatron_fixes._guard import expect_absent, expect_sources
+
+SOURCES = {
+    # MCoreSavePlanner inherits it; our hook wraps it.
+    "torch.distributed.checkpoint.default_planner:DefaultSavePlanner.resolve_data": "852bcff10b56dac7",
+    # Creates the Manager lazily from the module global we set.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue": "349269cbdd569d41",
+    # Replaced: plain pickle.load of .metadata; torch.load(weights_only=False) of stored objects.
+    "torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata": "8586ce344a523602",
+    "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner.load_bytes": "666701f9808c4bc2",
+    # Opens each shard through the module global `open`, which we set.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.write_preloaded_data":
+        "0aef9e6cbe573e10",
+}
+
+_DCP = "torch.distributed.checkpoint"
+# Every global a torch_dist `.metadata` refers to (found by tracing the unpickling of
+# checkpoints of every layout this project writes, and of checkpoints_tools' output).
+METADATA_GLOBALS = frozenset(
+    [(f"{_DCP}.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")]
+    + [(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")]
+    + [(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+       ("collections", "OrderedDict")]
+)
+
+
+class UnsafeCheckpoint(pickle.UnpicklingError):
+    """A checkpoint file refers to something a checkpoint never holds (maybe crafted to run code)."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata`, admitting only the classes such a file holds (and torch
+    dtypes): anything else is refused before it is called."""
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(
+            f"refusing to load {module}.{name} from a checkpoint's .metadata: it holds only checkpoint "
+            "metadata, so this file is damaged or crafted to run code; do not use this checkpoint")
+
+
+def read_metadata_safely(path) -> "object":
+    """The `torch.distributed.checkpoint.metadata.Metadata` in file `path` (a `.metadata`)."""
+    with open(path, "rb") as f:
+        return MetadataUnpickler(f).load()
+
+
+def _install_safe_loading() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = MetadataUnpickler(metadata_file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        # The upstream body with weights_only=True: tensors, numbers, strings, containers.
+        import torch
+        from torch.distributed.checkpoint._traverse import set_element
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+    FileSystemReader.read_metadata = read_metadata
+    DefaultLoadPlanner.load_bytes = load_bytes
+# (key, chunk offset), tensor -> the tensor to write instead; None = write as is.
+_CONVERT: list[Optional[Callable]] = [None]
+
+
+@contextlib.contextmanager
+def tensors_through(convert: Callable):
+    """Within: every tensor a torch_dist save writes goes through convert((key, offset), t)."""
+    if _CONVERT[0] is not None:
+        raise RuntimeError("tensors_through() does not nest")
+    _CONVERT[0] = convert
+    try:
+        yield
+    finally:
+        _CONVERT[0] = None
+
+
+def _install_resolve_data_hook() -> None:
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    owner = "megatron.core.dist_checkpointing.strategies.torch:MCoreSavePlanner"
+    expect_absent("checkpointing", owner, "resolve_data")
+    inherited = MCoreSavePlanner.resolve_data
+
+    def resolve_data(self, write_item):
+        data = inherited(self, write_item)
+        convert = _CONVERT[0]
+        if convert is not None and isinstance(data, torch.Tensor):
+            data = convert((write_item.index.fqn, tuple(write_item.index.offset or ())), data)
+        return data
+
+    MCoreSavePlanner.resolve_data = resolve_data
+
+
+def start_write_results_queue(initializer: Callable) -> None:
+    """Start dist_checkpointing's write-results Manager now (see 2 above); `initializer` runs
+    in the Manager process (ours: ignore stop signals, die with the rank)."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=initializer)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
+def install_write_hashing() -> None:
+    """Fix 4 (also called in the async writer process, which is spawned fresh)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain.checkpointing.integrity import hashing_open
+
+    filesystem_async.open = hashing_open
+
+
+def apply() -> None:
+    expect_sources("checkpointing", SOURCES)
+    _install_resolve_data_hook()
+    _install_safe_loading()
+    install_write_hashing()

@@ -1,0 +1,64 @@
+"""pretrain.megatron_fixes: every fix pinned to the upstream source it was written for, and
+nothing outside the package patching Megatron-Core."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain.megatron_fixes import _guard, checkpointing, cpu, no_te, optimizer
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("pretrain", "models", "data_pipeline", "launch", "checkpoints_tools")
+
+
+def _sample():
+    return 1
+
+
+def test_every_pin_matches_the_installed_megatron_core():
+    result = subprocess.run([sys.executable, "-m", "pretrain.megatron_fixes", "--digests"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "CHANGED" not in result.stdout, result.stdout + result.stderr
+    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, optimizer, checkpointing))
+    assert result.stdout.count("\nok ") == pinned >= 10
+
+
+def test_a_changed_upstream_function_stops_start_up_naming_the_fix():
+    target = f"{__name__}:_sample"
+    right = _guard.source_digest(_sample)
+    _guard.expect_source("demo", target, right)
+    with pytest.raises(_guard.UpstreamChanged, match=r"megatron_fixes\.demo: .*_sample changed upstream"):
+        _guard.expect_source("demo", target, "0" * 16)
+    with pytest.raises(_guard.UpstreamChanged, match="no longer exists"):
+        _guard.expect_source("demo", f"{__name__}:_gone", right)
+    with pytest.raises(_guard.UpstreamChanged, match=r"now takes \('x',\)"):
+        _guard.expect_signature("demo", "builtins:abs", ("a", "b"))
+
+
+def _python_files():
+    for package in PACKAGES:
+        yield from (REPO / package).rglob("*.py")
+
+
+def test_production_code_never_imports_unittest_mock():
+    offenders = [str(p.relative_to(REPO)) for p in _python_files() if "unittest" in p.read_text()]
+    assert not offenders
+
+
+def test_megatron_core_is_patched_only_inside_megatron_fixes():
+    """An assignment to an attribute of something imported from megatron (or of torch.cuda /
+    torch.distributed, which the stand-ins replace) outside the package is a stray patch."""
+    assignment = re.compile(r"^\s*(?:torch\.cuda|torch\.distributed|dist|[A-Za-z_]*(?:megatron|mcore|MCore|"
+                            r"Optimizer|Planner|moe_utils|p2p_communication|filesystem_async))"
+                            r"[A-Za-z_]*(?:\.[A-Za-z_]+)+\s*=[^=]", re.M)
+    found = []
+    for path in _python_files():
+        if "megatron_fixes" in path.parts:
+            continue
+        found += [f"{path.relative_to(REPO)}: {m.group(0).strip()}" for m in assignment.finditer(path.read_text())]
+    assert not found
