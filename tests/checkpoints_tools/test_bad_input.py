@@ -132,7 +132,8 @@ def test_export_refuses_what_hf_cannot_express(trained, tmp_path, capsys):
     meta["model"].update(activation="gelu", normalization="LayerNorm")
     (ckpt / "meta.json").write_text(json.dumps(meta))
     code, err = run_main(export_hf, [ckpt, tmp_path / "out", "--no-tokenizer"], capsys)
-    assert code == 2 and "no Llama/Mistral/Mixtral equivalent" in err and "activation=gelu" in err
+    assert code == 2 and "no Llama/Mistral/Mixtral or GPT-2 equivalent" in err and "activation=gelu" in err
+    assert "position_embedding=rope (GPT-2 learns absolute positions)" in err
     code, err = run_main(export_hf, [trained["untied"].latest, tmp_path / "out", "--architecture",
                                      "MixtralForCausalLM", "--no-tokenizer"], capsys)
     assert code == 2 and "cannot hold a dense model" in err
