@@ -41,8 +41,12 @@ class OptimizerConfig(_Strict):
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = Field(default=1.0, ge=0)
-    # Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over DP).
+    # Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over DP). Same as
+    # parallel.sharding=zero1 (true) / none (false); parallel.sharding, when set, decides.
     distributed: bool = True
+    # Optimizer state and fp32 main weights in host memory, the Adam step on the CPU
+    # (Megatron's HybridDeviceOptimizer): GPU only, with a sharded optimizer (zero1-3).
+    cpu_offload: bool = False
     # fp16 only: initial dynamic loss scale.
     initial_loss_scale: float = 2.0**16
     # GPU speed options (NCCL only; their effect is to be measured, launch.benchmark_table):
@@ -237,6 +241,7 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
     _check_precision(config)
     if config.runtime.spec == "portable":
         check_spec_support(config, "portable")
+    _check_sharding(config)
     if config.optimizer.min_lr > config.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={config.optimizer.min_lr} exceeds optimizer.lr={config.optimizer.lr}")
     data = config.data
@@ -244,6 +249,26 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
         raise ConfigError("set exactly one data source: data.blend=[[w, prefix], ...], data.demo=true or data.mock=true")
     if data.blend and not data.tokenizer:
         raise ConfigError("data.blend needs data.tokenizer (the tokenizer the data was preprocessed with)")
+
+
+def data_parallel_sharding(config: ExperimentConfig) -> str:
+    """The ZeRO stage that runs: parallel.sharding, else zero1/none by optimizer.distributed."""
+    sharding = config.parallel.sharding
+    if sharding is None:
+        return "zero1" if config.optimizer.distributed else "none"
+    return sharding
+
+
+def _check_sharding(config: ExperimentConfig) -> None:
+    sharding, opt = data_parallel_sharding(config), config.optimizer
+    if config.parallel.sharding not in (None, "none") and not opt.distributed:
+        raise ConfigError(f"parallel.sharding={sharding} shards the optimizer state, but optimizer.distributed=false "
+                          "asks for an unsharded optimizer; drop optimizer.distributed=false")
+    if opt.cpu_offload and sharding == "none":
+        raise ConfigError("optimizer.cpu_offload needs a sharded optimizer (parallel.sharding=zero1, zero2 or zero3)")
+    if config.parallel.fsdp and config.runtime.dtype == "fp16":
+        raise ConfigError(f"parallel.sharding={sharding} (Megatron-FSDP) is not supported here with fp16 loss "
+                          "scaling; use runtime.dtype=bf16 (or fp32), or parallel.sharding=zero1")
 
 
 def _check_precision(config: ExperimentConfig) -> None:
@@ -307,6 +332,10 @@ def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.Mac
         # corrupted the heap now and then (notes/megatron-fsdp-on-cpu.md). GPU (NCCL) only.
         problems += [f"optimizer.{key}=true needs a GPU (NCCL); remove it on this machine"
                      for key in ("overlap_grad_reduce", "overlap_param_gather") if getattr(opt, key)]
+        if opt.cpu_offload:
+            problems.append("optimizer.cpu_offload=true moves optimizer state from GPU to host memory "
+                            "(Megatron's HybridDeviceOptimizer: pinned memory, CUDA streams); this machine "
+                            "has no GPU and the state is in host memory already: remove it")
     if problems:
         raise ConfigError("; ".join(problems))
     return spec

@@ -18,6 +18,7 @@ numbers and strings (the LR scheduler state).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import shutil
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from pretrain.checkpointing import async_writer
+from pretrain.checkpointing import async_writer, fsdp_state
 from pretrain.checkpointing.integrity import collect_file_table
 from pretrain.checkpointing.format import (
     CONFIG,
@@ -64,6 +65,12 @@ def _model_state(chunks: list) -> dict:
 
 
 def _sharded_state(run_state, is_loading: bool) -> dict:
+    """Model chunks and optimizer as dist_checkpointing saves/loads them. Under Megatron-FSDP
+    call it inside `fsdp_state.gathered`: the same keys and tensors, from the gathered model."""
+    if fsdp_state.is_fsdp(run_state):
+        model_sd = _model_state(fsdp_state.inner_models(run_state))
+        build = fsdp_state.optimizer_state_for_load if is_loading else fsdp_state.optimizer_state_for_save
+        return {**model_sd, "optimizer": build(run_state, model_sd)}
     model_sd = _model_state([chunk.module for chunk in run_state.model])
     state = dict(model_sd)
     # Megatron runs a full gc.collect() in here (0.2 s with a model's worth of Python objects,
@@ -77,6 +84,11 @@ def _sharded_state(run_state, is_loading: bool) -> dict:
     finally:
         gc.unfreeze()
     return state
+
+
+def _gathered_if_fsdp(run_state):
+    """Megatron-FSDP: the full (TP-local) parameters while the state dict is built and used."""
+    return fsdp_state.gathered(run_state) if fsdp_state.is_fsdp(run_state) else contextlib.nullcontext()
 
 
 def _rng_state() -> dict:
@@ -139,17 +151,20 @@ def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
         tmp.mkdir(parents=True)
     dist.barrier()
     _gather_params(run_state)
-    state = _sharded_state(run_state, is_loading=False)
-    state["scheduler"] = run_state.scheduler.state_dict()
-    if pool is not None and not _staging_fits(pool, state, log):
-        pool = None
-    if pool is None:
-        with async_writer.without_clones():
-            request = dist_checkpointing.save(state, str(tmp))
-    else:
-        with async_writer.staging(pool):
-            request = dist_checkpointing.save(state, str(tmp), sharded_strategy=pool.strategy,
-                                              async_sharded_save=True)
+    # Under Megatron-FSDP the gathered parameters are released when save() returns: a sync
+    # save has written them, an async one has copied them into its staging memory.
+    with _gathered_if_fsdp(run_state):
+        state = _sharded_state(run_state, is_loading=False)
+        state["scheduler"] = run_state.scheduler.state_dict()
+        if pool is not None and not _staging_fits(pool, state, log):
+            pool = None
+        if pool is None:
+            with async_writer.without_clones():
+                request = dist_checkpointing.save(state, str(tmp))
+        else:
+            with async_writer.staging(pool):
+                request = dist_checkpointing.save(state, str(tmp), sharded_strategy=pool.strategy,
+                                                  async_sharded_save=True)
     rng_file(tmp, rank).parent.mkdir(exist_ok=True)
     torch.save(_rng_state(), rng_file(tmp, rank))
     return request
@@ -298,8 +313,13 @@ def _load_model_only(path: Path, run_state, meta: CheckpointMeta, log) -> int:
     """Resume from a model-only checkpoint: weights (and the LR schedule if saved), a fresh
     optimizer. The optimizer copied its main params from the initial weights when it was
     built, so they are refreshed from the loaded ones."""
-    load_model_weights(path, [chunk.module for chunk in run_state.model])
-    run_state.optimizer.reload_model_params()
+    if fsdp_state.is_fsdp(run_state):
+        with fsdp_state.gathered(run_state) as models:
+            loaded = dist_checkpointing.load(_model_state(models), str(path))
+            fsdp_state.load_model(run_state, [loaded[model_state_key(i, len(models))] for i in range(len(models))])
+    else:
+        load_model_weights(path, [chunk.module for chunk in run_state.model])
+        run_state.optimizer.reload_model_params()
     common = dist_checkpointing.load_common_state_dict(str(path)) or {}
     if "scheduler" in common:
         run_state.scheduler.load_state_dict(common["scheduler"])
@@ -316,10 +336,17 @@ def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) 
         log(warning)
     if not meta.has_optimizer:
         return _load_model_only(path, run_state, meta, log)
-    loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
-    for i, chunk in enumerate(run_state.model):
-        chunk.module.load_state_dict(loaded[model_state_key(i, len(run_state.model))])
-    run_state.optimizer.load_state_dict(loaded["optimizer"])
+    chunks = len(run_state.model)
+    if fsdp_state.is_fsdp(run_state):
+        with fsdp_state.gathered(run_state):
+            loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
+            fsdp_state.load_model(run_state, [loaded[model_state_key(i, chunks)] for i in range(chunks)])
+            fsdp_state.load_optimizer(run_state, loaded["optimizer"])
+    else:
+        loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
+        for i, chunk in enumerate(run_state.model):
+            chunk.module.load_state_dict(loaded[model_state_key(i, chunks)])
+        run_state.optimizer.load_state_dict(loaded["optimizer"])
     run_state.scheduler.load_state_dict(loaded["scheduler"])
     now = config.parallel.describe(world_size)
     rng = rng_file(path, dist.get_rank())
