@@ -30,8 +30,12 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_f
 from pretrain.megatron_fixes.optimizer_save import STATE_KEYS, like_model_tensor
 
 
+def is_fsdp_chunk(chunk) -> bool:
+    return hasattr(chunk, "param_and_grad_buffer")
+
+
 def is_fsdp(run_state) -> bool:
-    return hasattr(run_state.model[0], "param_and_grad_buffer")
+    return is_fsdp_chunk(run_state.model[0])
 
 
 def inner_models(run_state) -> list:

@@ -47,9 +47,11 @@ def test_run_preprocess_reports_time_cpu_and_memory(tmp_path, texts):
     assert 0 < run["seconds"] < run["cli_wall_seconds"]
     assert run["cpu_seconds"] > run["worker_cpu_seconds"] > 0
     # The sampled peak of the tree (PSS of the CLI + its forked worker) against the kernel's
-    # own count of the largest process (ru_maxrss from wait4): at least most of it, and at
-    # most the two processes' worth.
-    assert 0.7 * run["kernel_max_rss"] <= run["peak_rss"] <= 2.1 * run["kernel_max_rss"], run
+    # own count of the largest process (ru_maxrss from wait4, RSS: shared library pages in
+    # full). At most the two processes' worth; at least a third of it: PSS splits the pages
+    # the worker shares with its parent, and ru_maxrss also holds peaks of the interpreter's
+    # start-up that fall between two samples (CI saw 366 MB sampled against 811 MB).
+    assert 0.3 * run["kernel_max_rss"] <= run["peak_rss"] <= 2.1 * run["kernel_max_rss"], run
 
 
 def test_repeated_corpus_is_the_corpus_n_times_and_reused(tmp_path, texts):

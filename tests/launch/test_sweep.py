@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import sweep
+from launch.sweeps import run as sweep
 from launch.sweeps.results import fit_power_law, read_metrics
 from launch.sweeps.spec import expand_points, load_spec
 from tests.launch.slurm_helpers import slurm_env  # noqa: F401 - the Slurm test-cluster fixture

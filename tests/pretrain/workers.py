@@ -21,10 +21,9 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False,
         _double_gradient_at(run, double_grad_at_step)
     try:
         history = train_loop(run, run.start_step)
-        params = sum(p.numel() for chunk in run.state.model for p in chunk.module.parameters())
-        layers = sorted(
-            layer.layer_number for chunk in run.state.model for layer in chunk.module.decoder.layers
-        )
+        models = [_gpt(chunk) for chunk in run.state.model]
+        params = sum(p.numel() for model in models for p in model.parameters())
+        layers = sorted(layer.layer_number for model in models for layer in model.decoder.layers)
         result = {
             "log_rank": run.log_rank,
             "losses": [m.loss for m in history],
@@ -32,19 +31,26 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False,
             "moe_z_losses": [m.moe_z_loss for m in history],
             "params": params,
             "layers": layers,
-            "first_stage": any(chunk.module.pre_process for chunk in run.state.model),
-            "last_stage": any(chunk.module.post_process for chunk in run.state.model),
+            "first_stage": any(model.pre_process for model in models),
+            "last_stage": any(model.post_process for model in models),
         }
         if report_norms:
             result["norms"] = {
                 f"chunk{i}.{name}": p.detach().flatten().tolist()
-                for i, chunk in enumerate(run.state.model)
-                for name, p in chunk.module.named_parameters() if "norm" in name
+                for i, model in enumerate(models)
+                for name, p in model.named_parameters() if "norm" in name
             }
         return result
     finally:
         run.writer.close()
         shutdown()
+
+
+def _gpt(chunk):
+    """The GPTModel inside a DDP wrapper or a Megatron-FSDP one (FSDP -> MegatronFSDP -> GPTModel)."""
+    from pretrain.checkpointing.fsdp_state import is_fsdp_chunk
+
+    return chunk.module.module if is_fsdp_chunk(chunk) else chunk.module
 
 
 def _double_gradient_at(run, at_step: int) -> None:
