@@ -1,0 +1,63 @@
+"""Sharded data parallelism: the keys, and every composition Megatron-FSDP 0.16.1 cannot run
+(or runs wrong) refused before any process group, in one line that says why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pretrain.cli import resolve_config
+from pretrain.config import data_parallel_sharding, validate_for_world
+from tests.distributed import REPO
+
+BASE = ["data.mock=true", "data.demo=false", "runtime.spec=portable"]
+
+
+def _cli(*args):
+    result = subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("recipe, world, overrides, message", [
+    ("tiny-llama", 2, ["parallel.sharding=zero3", "parallel.pipeline_parallel=2"],
+     "sharding=zero3 (Megatron-FSDP) does not support pipeline_parallel=2"),
+    ("tiny-llama", 4, ["parallel.hsdp_replicas=2"], "hsdp_replicas=2 needs sharding=zero2 or zero3"),
+    ("tiny-llama", 4, ["parallel.sharding=zero3", "parallel.hsdp_replicas=3"],
+     "hsdp_replicas=3 does not divide DP x CP = 4; valid hsdp_replicas: 1, 2"),
+    ("tiny-llama", 1, ["parallel.sharding=zero3"], "over a shard group of 1 rank shards nothing"),
+    ("tiny-llama", 2, ["parallel.sharding=zero2", "parallel.hsdp_replicas=2"], "over a shard group of 1 rank"),
+    ("tiny-moe", 4, ["parallel.sharding=zero3", "parallel.expert_parallel=2", "parallel.hsdp_replicas=2"],
+     "a MoE model with hsdp_replicas > 1"),
+    ("tiny-llama", 2, ["parallel.sharding=zero3", "optimizer.distributed=false"],
+     "optimizer.distributed=false asks for an unsharded optimizer"),
+    ("tiny-llama", 2, ["parallel.sharding=zero3", "runtime.dtype=fp16"], "not supported here with fp16"),
+    ("tiny-llama", 2, ["parallel.sharding=none", "optimizer.cpu_offload=true"],
+     "optimizer.cpu_offload needs a sharded optimizer"),
+    ("tiny-llama", 2, ["parallel.sharding=zero4"], "parallel.sharding"),
+])
+def test_unsupported_sharding_is_refused_in_one_line(recipe, world, overrides, message):
+    code, out = _cli("--recipe", recipe, "--dry-run", "--world-size", str(world), *BASE, *overrides)
+    assert code == 2 and message in out and "Traceback" not in out, out
+    assert len([line for line in out.splitlines() if line.startswith("error")]) == 1
+
+
+def test_cpu_offload_needs_a_gpu_and_says_so_before_any_process_group(tmp_path):
+    code, out = _cli("--recipe", "tiny-llama", *BASE, "optimizer.cpu_offload=true",
+                     f"logging.run_dir={tmp_path / 'run'}")
+    assert code == 2 and "optimizer.cpu_offload=true moves optimizer state from GPU" in out, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_sharding_follows_optimizer_distributed_unless_set():
+    def sharding(*overrides):
+        return data_parallel_sharding(resolve_config("tiny-llama", None, BASE + list(overrides)))
+
+    assert sharding() == "zero1" and sharding("optimizer.distributed=false") == "none"
+    assert sharding("parallel.sharding=zero2") == "zero2" and sharding("parallel.sharding=none") == "none"
+    config = resolve_config("tiny-llama", None, BASE + ["parallel.sharding=zero3", "parallel.hsdp_replicas=2",
+                                                     "schedule.global_batch_size=32"])
+    validate_for_world(config, 8)
+    assert config.parallel.describe(8) == "TP1xPP1xDP8xZeRO3xHSDP2" and config.parallel.shard_group_size(8) == 4
