@@ -70,6 +70,9 @@ class CheckpointMeta:
     has_optimizer: bool = True  # False: model-only (serving copies, HF imports)
     format_version: int = FORMAT_VERSION
     converted_by: Optional[dict] = None  # checkpoints_tools provenance
+    # Experiment tracker runs of the training ({"mlflow": run id, "wandb": run id}), so a
+    # resume continues them. Absent in older checkpoints (read as None).
+    tracker_runs: Optional[dict] = None
 
     @classmethod
     def read(cls, directory: Path) -> "CheckpointMeta":
