@@ -18,12 +18,19 @@
 Prints a table and one JSON line: step time, tokens/s (global and per device), model
 TFLOP/s per device, MFU (GPU only) and the fraction of step time spent outside
 forward/backward + optimizer (data fetch, logging, loss broadcast).
+
+    # --overhead: step time with the hang watchdog (+ flight recorder), the straggler
+    # report (every 10 steps), MLflow (SQLite store) and W&B (offline) on, against all of
+    # them off; off/on runs alternate so a shared machine's load drifts into both alike:
+    python -m launch.benchmark --recipe tiny-llama --nproc 2 --steps 40 --warmup 5 --repeats 6 \
+        --overhead data.demo=false data.mock=true runtime.spec=portable
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -72,6 +79,37 @@ def summarise(records: list[dict], warmup: int) -> dict:
     return out
 
 
+OBSERVE_OFF = ["watchdog.enabled=false", "logging.straggler_interval=0", "tracking.mlflow=false",
+               "tracking.wandb=false", "profile.start_step=null"]
+
+
+def observe_on(tmp: Path) -> list[str]:
+    return ["watchdog.enabled=true", "logging.straggler_interval=10", "tracking.mlflow=true",
+            f"tracking.mlflow_tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.wandb=true",
+            "tracking.wandb_mode=offline", "profile.start_step=null"]
+
+
+def overhead(args: argparse.Namespace) -> dict:
+    """Median step time with everything but the profiler on vs off, alternating off/on runs."""
+    per_mode: dict[str, list[float]] = {"off": [], "on": []}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        for i in range(args.repeats):
+            for mode in ("off", "on"):
+                extra = OBSERVE_OFF if mode == "off" else observe_on(Path(tmp))
+                records = run_once(args.recipe, args.nproc, args.steps, list(args.overrides) + extra,
+                                   Path(tmp) / f"{mode}{i}")
+                per_mode[mode].append(summarise(records, args.warmup)["step_time_s"])
+                print(f"repeat {i + 1}/{args.repeats} {mode:>3}: median step {1000 * per_mode[mode][-1]:.2f} ms",
+                      flush=True)
+    off, on = statistics.median(per_mode["off"]), statistics.median(per_mode["on"])
+    paired = [b / a for a, b in zip(per_mode["off"], per_mode["on"])]
+    return dict(recipe=args.recipe, nproc=args.nproc, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                overrides=args.overrides, off_step_s=off, on_step_s=on, on_over_off=on / off,
+                median_paired_ratio=statistics.median(paired), per_repeat_off=per_mode["off"],
+                per_repeat_on=per_mode["on"], loadavg_before=load_before, loadavg_after=os.getloadavg())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,10 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--overhead", action="store_true",
+                        help="compare watchdog + straggler report + MLflow + W&B on vs all off")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.repeats < 1:
+        parser.error(f"--repeats ({args.repeats}) must be at least 1")
+    if args.overhead:
+        result = overhead(args)
+        print(f"median step time: off {1000 * result['off_step_s']:.2f} ms, on {1000 * result['on_step_s']:.2f} ms, "
+              f"on/off {result['on_over_off']:.4f} (median of paired ratios {result['median_paired_ratio']:.4f}); "
+              f"load average {result['loadavg_before'][0]:.1f} before, {result['loadavg_after'][0]:.1f} after")
+        print(json.dumps(result))
+        return 0
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for i in range(args.repeats):

@@ -145,8 +145,9 @@ class WatchdogConfig(_Strict):
     progress within the timeout dumps every thread's stack to <run_dir>/hang/ and exits 75."""
 
     enabled: bool = True
-    # Fixed timeout in seconds; None derives it: max(min_timeout_s, step_time_factor x the
-    # median of the recent step times), and startup_timeout_s until 5 steps are timed.
+    # Fixed timeout in seconds after the first step; None derives it: max(min_timeout_s,
+    # step_time_factor x the median of the recent step times), startup_timeout_s until 5 steps
+    # are timed. The run's first step always has startup_timeout_s (one-time start-up costs).
     timeout_s: Optional[float] = Field(default=None, gt=0)
     min_timeout_s: float = Field(default=300.0, gt=0)
     step_time_factor: float = Field(default=10.0, gt=1)

@@ -163,9 +163,11 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
             now = time.perf_counter()
             step_time, last = now - last, now
             watchdog.end_step(step_time)
+            excluded = time.perf_counter()  # profiler trace writing, evaluation and checkpoints
             if profiler:
                 with watchdog.paused("profiler (writing the trace)"):
                     profiler.after_step(step)
+            excluded = time.perf_counter() - excluded
             stragglers = run.stragglers.after_step(step) if run.stragglers else None
             metrics = _step_metrics(run, step, result, step_time, skipped, stragglers)
             history.append(metrics)
@@ -174,16 +176,21 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
                 run.writer.log(metrics, sched.train_steps)
             if stragglers and stragglers.warning(config.logging.straggler_warn_ratio):
                 info(stragglers.warning(config.logging.straggler_warn_ratio), run.log_rank)
+            paused = time.perf_counter()
             if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
                 with watchdog.paused("evaluation"):
                     _run_eval(run, step)
+            excluded += time.perf_counter() - paused
             reason = stop.reason()
+            paused = time.perf_counter()
             with watchdog.paused("checkpoint save"):
                 saver.save(step, run.state, last_step=step == sched.train_steps, stop=reason is not None)
             if reason is not None:
                 info(f"stopping after step {step}: {reason}", dist.get_rank() == 0)
                 break
-            last = time.perf_counter()  # evaluation and checkpoint time are not step time
+            # Step time runs from one step's end to the next's: it includes logging, trackers,
+            # the straggler report and the stop check, not evaluation, checkpoints or traces.
+            last += excluded + time.perf_counter() - paused
     finally:
         watchdog.stop()
         if profiler:

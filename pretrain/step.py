@@ -63,9 +63,11 @@ def _slow_forward_step(seconds: float, data_iterator, model):
     return _forward_step(data_iterator, model)
 
 
-def injected_hang(seconds: float) -> None:
+def injected_hang(step: int, seconds: float) -> None:
     """Test-only (runtime.inject_hang_step): this rank stops making progress mid-step; the
     hang watchdog's stack dump names this function."""
+    print(f"[fault injection] rank {dist.get_rank()} hangs in step {step} for {seconds:g} s "
+          f"(from unix time {time.time():.3f})", flush=True)
     time.sleep(seconds)
 
 
@@ -186,7 +188,7 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
         _inject_nan(state)
     runtime = config.runtime
     if runtime.inject_hang_step == step and runtime.inject_hang_rank == dist.get_rank():
-        injected_hang(runtime.inject_hang_seconds)
+        injected_hang(step, runtime.inject_hang_seconds)
     fp16 = config.runtime.dtype == "fp16"
     loss, grads_bad = _agree(losses, grads_bad=not fp16 and _local_grads_bad(state))
     lr = state.optimizer.param_groups[0]["lr"]

@@ -8,8 +8,10 @@ thread's Python stack (faulthandler), then exits the process with EXIT_HANG (75,
 sysexits' EX_TEMPFAIL). launch.slurm's job script requeues the job on it (the run resumes
 from its last checkpoint); launch.local reports it.
 
-Timeout: `watchdog.timeout_s`, or derived: max(min_timeout_s, step_time_factor x the
-median of the last 50 step times), and startup_timeout_s until 5 steps are timed.
+Timeout: startup_timeout_s for the run's first step (one-time costs: lazy communicator
+creation, allocator warm-up, compilation); then `watchdog.timeout_s`, or derived:
+max(min_timeout_s, step_time_factor x the median of the last 50 step times), with
+startup_timeout_s until 5 steps are timed.
 
 Cost per step: a few attribute stores on the training thread; the watchdog thread wakes
 once a second. The thread can run while the training thread is blocked: torch releases
@@ -108,6 +110,8 @@ class Watchdog:
 
     def timeout(self) -> tuple[float, str]:
         """The timeout now, and where it comes from."""
+        if not self._durations:
+            return self.cfg.startup_timeout_s, "watchdog.startup_timeout_s (the run's first step)"
         if self.cfg.timeout_s is not None:
             return self.cfg.timeout_s, "watchdog.timeout_s"
         durations = list(self._durations)
