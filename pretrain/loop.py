@@ -35,6 +35,8 @@ from pretrain.metrics import (
 )
 from pretrain.runtime import collective_device, init_distributed, is_logging_rank, read_dist_env, world_size_from_env
 from pretrain.checkpointing import checkpointer as checkpoint
+from pretrain.checkpointing.format import CheckpointMeta
+from pretrain.checkpointing.resume import plan_resume, settle
 from pretrain.observe import profiler as step_profiler
 from pretrain.observe.stragglers import StragglerReport, StragglerStats
 from pretrain.observe.timers import StepTimers, install as install_timers
@@ -71,10 +73,15 @@ def setup(config: ExperimentConfig) -> Run:
     validate_for_world(config, world_size)  # before any process group exists
     spec = validate_for_machine(config)  # the spec `auto` resolves to here can run this config
     step_profiler.check_writable(config, read_dist_env().rank)  # before training starts
-    resume_from = checkpoint.resolve_resume(config, print)  # bad checkpoint paths fail here
-    resume_meta = checkpoint.check_compatible(resume_from, config) if resume_from is not None else None
+    resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
+    if resume.first is not None:
+        checkpoint.check_compatible(resume.first, config)
     enable_flight_recorder(config.watchdog)  # read when the process groups are created
     env = init_distributed(config.parallel, seed=config.runtime.seed)
+    resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
+    if resume_from is not None and resume_from != resume.first:
+        checkpoint.check_compatible(resume_from, config)
+    resume_meta = CheckpointMeta.read(resume_from) if resume_from is not None else None
     log_rank = is_logging_rank()
     run_dir = Path(config.logging.run_dir)
     if env.rank == 0:
@@ -248,6 +255,7 @@ def main_train(config: ExperimentConfig) -> int:
         run = setup(config)
     except (ConfigError, checkpoint.CheckpointError) as exc:
         print(f"error: {exc}", flush=True)
+        shutdown()  # the process group, if the error came after it (a damaged checkpoint)
         return 2
     failed = True
     try:
