@@ -207,3 +207,53 @@ def test_unwritable_profile_dir_is_an_error_before_training(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"profile directory {blocker}/profile/rank_0 is not writable" in result.stdout + result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("profile.start_stpe=3", "did you mean 'start_step'"),
+    ("tracking.mlfow=true", "did you mean 'mlflow'"),
+    ("watchdog.timeout=5", "did you mean 'timeout_s'"),
+    ("profile.ranks=some", "profile.ranks"),
+    ("watchdog.step_time_factor=1", "greater than 1"),
+])
+def test_new_config_keys_are_strict(override, message):
+    from pretrain.cli import resolve_config
+    from pretrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_config("tiny-llama", None, [override])
+
+
+def test_profile_ranks_outside_the_world_fail_before_any_process_group():
+    from pretrain.cli import resolve_config
+    from pretrain.config import ConfigError, validate_for_world
+
+    config = resolve_config("tiny-llama", None, ["profile.start_step=2", "profile.ranks=[0, 3]"])
+    validate_for_world(config, 4)
+    with pytest.raises(ConfigError, match=r"profile.ranks=\[0, 3\] names ranks outside the world of 2"):
+        validate_for_world(config, 2)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs CUDA: the memory snapshot and CUDA kernel events exist only there")
+def test_cuda_profile_has_kernels_and_memory_snapshot(tmp_path):
+    import pickle
+
+    run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama", overrides=[
+        "schedule.micro_batch_size=1", "schedule.global_batch_size=2", "schedule.seq_length=64",
+        "schedule.eval_interval=0", "data.demo=false", "data.mock=true", "logging.tensorboard=false",
+        "schedule.train_steps=4", "profile.start_step=2", "profile.memory_snapshot_step=3",
+        f"logging.run_dir={tmp_path}"])
+    folder = tmp_path / "profile" / "rank_0"
+    with gzip.open(folder / "trace.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # CUDA activity was recorded
+    assert {"forward", "backward", "optimizer"} <= {e.get("name") for e in events}
+    snapshot = pickle.loads((folder / "memory_snapshot.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"]
