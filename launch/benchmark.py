@@ -89,6 +89,65 @@ def observe_on(tmp: Path) -> list[str]:
             "tracking.wandb_mode=offline", "profile.start_step=null"]
 
 
+def hook_costs(repeats: int = 5, calls: int = 200) -> dict:
+    """What the per-step hooks cost in this process, min over repeats (load on a shared
+    machine only lengthens a trial): the watchdog's marks, the Megatron timers of one
+    micro-batch (forward + backward), and one record logged to MLflow (SQLite) and W&B
+    (offline) including the time to write it out (the trackers are closed inside the trial)."""
+    import time as clock
+
+    from pretrain.cli import resolve_config
+    from pretrain.config import WatchdogConfig
+    from pretrain.observe.timers import StepTimers
+    from pretrain.observe.trackers import open_trackers
+    from pretrain.observe.watchdog import Watchdog
+
+    def best(trial) -> float:
+        return min(trial() for _ in range(repeats)) / calls
+
+    def watchdog_trial() -> float:
+        dog = Watchdog(WatchdogConfig(), tempfile.gettempdir(), 0)
+        start = clock.perf_counter()
+        for step in range(calls):
+            dog.begin_step(step)
+            dog.end_step(0.1)
+        return clock.perf_counter() - start
+
+    def timers_trial() -> float:
+        timers = StepTimers(measure_compute=True)
+        start = clock.perf_counter()
+        for _ in range(calls):
+            for name in ("forward-compute", "backward-compute"):
+                timers(name, log_level=2).start()
+                timers(name).stop()
+            timers.take_compute_s()
+        return clock.perf_counter() - start
+
+    record = {"step": 0, "loss": 2.5, "lr": 3e-4, "grad_norm": 1.0, "step_time_s": 0.25, "tokens_per_s": 1e4,
+              "tokens_per_s_per_device": 5e3, "tflops_per_device": 1.0, "peak_mem_gb": 1.0,
+              "overhead_frac": 0.05, "skipped": False, "skipped_steps": 0}
+
+    def trackers_trial() -> tuple[float, float]:
+        """(seconds in `log` on the training thread, seconds to close: MLflow's queue drained,
+        W&B's run finished) for `calls` records."""
+        with tempfile.TemporaryDirectory(prefix="bench-trackers-") as tmp:
+            config = resolve_config("tiny-llama", None, [
+                f"logging.run_dir={tmp}", "tracking.mlflow=true", f"tracking.mlflow_tracking_uri=sqlite:///{tmp}/m.db",
+                "tracking.wandb=true", "tracking.wandb_mode=offline"])
+            trackers = open_trackers(config, True, None, lambda m: None)
+            start = clock.perf_counter()
+            for step in range(1, calls + 1):
+                trackers.log(dict(record, step=step))
+            logged = clock.perf_counter()
+            trackers.close()
+            return logged - start, clock.perf_counter() - logged
+
+    tracker_trials = [trackers_trial() for _ in range(2)]
+    return {"watchdog_marks_s": best(watchdog_trial), "megatron_timers_per_microbatch_s": best(timers_trial),
+            "tracker_log_call_s": min(t[0] for t in tracker_trials) / calls,
+            "trackers_close_once_s": min(t[1] for t in tracker_trials)}
+
+
 def overhead(args: argparse.Namespace) -> dict:
     """Median step time with everything but the profiler on vs off, alternating off/on runs."""
     per_mode: dict[str, list[float]] = {"off": [], "on": []}
@@ -128,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats ({args.repeats}) must be at least 1")
     if args.overhead:
         result = overhead(args)
+        result["hook_costs"] = hook_costs()
+        print("per-step hook costs in-process (min of trials): " + ", ".join(
+            f"{k} {1e6 * v:.1f} us" if v < 0.1 else f"{k} {v:.2f} s" for k, v in result["hook_costs"].items()))
         print(f"median step time: off {1000 * result['off_step_s']:.2f} ms, on {1000 * result['on_step_s']:.2f} ms, "
               f"on/off {result['on_over_off']:.4f} (median of paired ratios {result['median_paired_ratio']:.4f}); "
               f"load average {result['loadavg_before'][0]:.1f} before, {result['loadavg_after'][0]:.1f} after")
