@@ -15,7 +15,9 @@ The run directory (default runs/<name>/<timestamp>/) receives job.sh, config.yam
 recipe with your overrides, resolved: the training reads only this), logs/ and, unless the
 config names another, checkpoints/. One srun task per GPU (or --launcher torchrun: one
 torchrun per node). USR1 before the time limit -> ranks save and exit -> the job requeues
-itself and resumes (checkpoint.resume=auto). Nothing is written or submitted when a check
+itself and resumes (checkpoint.resume=auto). A rank's hang watchdog (exit 75, stacks in
+<run dir>/hang/) -> the job requeues and resumes from the last checkpoint, at most
+--hang-requeues times. Nothing is written or submitted when a check
 fails: layout vs nodes x GPUs, data paths, run directory, time limit vs warning signal.
 """
 
