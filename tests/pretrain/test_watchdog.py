@@ -93,9 +93,9 @@ def test_hang_on_one_of_two_ranks_ends_the_job_with_stacks_and_exit_75(tmp_path)
     fired_after = min(p.stat().st_mtime for p in hang_reports(str(run_dir))) - injected
     timing = (f"the job ended {ended_after:.1f} s after the hang began (first stack dump after "
               f"{fired_after:.1f} s; timeout {timeout} s)")
-    # The watchdog: the timeout (counted from the step's start, a little before the
-    # injection), its 1 s poll and the dump.
-    assert timeout <= fired_after < timeout + 2, timing
+    # The watchdog: the timeout, counted from the step's start (its forward/backward ran
+    # before the injection: under a second, a few on a busy machine), its 1 s poll, the dump.
+    assert timeout - 3 < fired_after < timeout + 2, timing
     # Then torchrun notices the exit (0.1 s), stops the other rank and exits, and launch.local
     # reports: about 3.5 s at load 12 on the 2-core machine, more when it is busier.
     assert ended_after < timeout + 10, timing
