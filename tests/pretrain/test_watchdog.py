@@ -102,8 +102,13 @@ def test_hang_on_one_of_two_ranks_ends_the_job_with_stacks_and_exit_75(tmp_path)
     assert "error: the hang watchdog stopped the run (exit 75" in err
     assert len(_metrics(run_dir)) == 2  # step 3 never finished
     reports = {int(p.name.split(".")[0].removeprefix("rank_")): p.read_text() for p in hang_reports(str(run_dir))}
-    assert set(reports) == {0, 1}, list(reports)  # every rank stalled: each dumped its stacks
+    assert 1 in reports, list(reports)
     assert "step 3, phase: train step" in reports[1] and "in injected_hang" in reports[1]
-    # rank 0 waits for rank 1 in the step's loss all-reduce; the flight recorder names it
-    assert "in _agree" in reports[0] and "all_reduce" in reports[0].split("Python stacks")[0]
-    print(timing)
+    collectives = reports[1].split("last collectives")[1].split("Python stacks")[0]
+    assert "gloo:all_reduce on group DATA_PARALLEL_GROUP" in collectives, collectives  # the grad sync
+    # Rank 0 waits for rank 1 in the step's loss all-reduce. Its watchdog dumps too unless
+    # rank 1's exit broke that all-reduce first (gloo: "Connection closed by peer", exit 1):
+    # both time the same step, so which comes first is a race (rank 0 dumped in 18 of 19 runs).
+    if 0 in reports:
+        assert "in _agree" in reports[0] and "all_reduce" in reports[0].split("Python stacks")[0]
+    print(timing + f"; ranks that dumped stacks: {sorted(reports)}")
