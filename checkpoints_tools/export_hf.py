@@ -6,15 +6,20 @@
     python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('runs/tiny/hf')"
     vllm serve runs/tiny/hf --tensor-parallel-size 2
 
-Writes config.json (LlamaForCausalLM, MistralForCausalLM with --architecture, or
-MixtralForCausalLM for MoE models), generation_config.json, safetensors shards with
-model.safetensors.index.json, and the tokenizer files (tokenizer.model + config for
-SentencePiece, or tokenizer.json) with the BOS/EOS ids in both configs. Padded vocab rows
-are dropped; with tied embeddings there is no lm_head (tie_word_embeddings=true).
+Writes config.json (LlamaForCausalLM, MistralForCausalLM with --architecture,
+MixtralForCausalLM for MoE models, or GPT2LMHeadModel for LayerNorm + GELU + learned-position
+models such as tiny-gpt), generation_config.json, safetensors shards with
+model.safetensors.index.json, and the tokenizer files (SentencePiece: tokenizer.model, its
+tokenizer.json conversion and config; or tokenizer.json) with the BOS/EOS ids in both
+configs. Padded vocab rows are dropped; with tied embeddings there is no lm_head
+(tie_word_embeddings=true).
 The tokenizer is taken from --tokenizer, else from the checkpoint's `tokenizer/` folder
 (written by import_hf), else from its config.yaml (`data.tokenizer`, or the demo
 corpus' SentencePiece model for `data.demo=true`).
 Conversion goes layer by layer and tensor by tensor; shards are streamed to disk.
+Warns (`warning: ...` on stderr) when a serving engine will refuse the model, e.g. a head
+size vLLM's CPU attention backend does not support; check an export with
+`python -m checkpoints_tools.verify_vllm OUT`.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import json
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -43,11 +49,13 @@ from checkpoints_tools.common import (
 )
 from checkpoints_tools.dcp_io import CheckpointReader, CheckpointFormatError
 from checkpoints_tools.hf_format import (
+    EXPORT_ARCHITECTURES,
     HFConfigError,
     default_architecture,
     export_tokenizer,
     find_tokenizer,
     generation_config,
+    serving_warnings,
     to_hf_config,
 )
 from checkpoints_tools.mapping import (
@@ -65,6 +73,14 @@ from models.config import ModelConfig
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 DEMO_TOKENIZER = Path(__file__).resolve().parents[1] / "data_pipeline" / "assets" / "demo_sp.model"
+
+
+class ServingWarning(UserWarning):
+    """The export is valid, but a serving engine will refuse it (see hf_format.serving_warnings)."""
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ServingWarning, stacklevel=3)
 
 
 def hf_entries(model: ModelConfig, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype, tuple]]:
@@ -139,8 +155,9 @@ def _tokenizer_source(src: Path, tokenizer: Optional[Path], model: ModelConfig) 
 def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None,
               tokenizer: Optional[Path] = None, with_tokenizer: bool = True,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = False,
-              verify_checksums: bool = True) -> dict:
-    """Write the HF directory `dst` for checkpoint `src`; returns a summary."""
+              verify_checksums: bool = True, warn: Callable[[str], None] = _warn) -> dict:
+    """Write the HF directory `dst` for checkpoint `src`; returns a summary. `warn` gets each
+    serving warning before any work (default: a ServingWarning)."""
     start = time.perf_counter()
     src = resolve_checkpoint(src, verify_checksums=verify_checksums)
     meta, model = checkpoint_model(src)
@@ -153,6 +170,8 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
         check_checkpoint_tensors(reader, model)
     except (ValueError, CheckpointFormatError) as exc:
         raise ToolError(str(exc)) from None
+    for message in serving_warnings(model):
+        warn(message)
     token_src = _tokenizer_source(src, tokenizer, model) if with_tokenizer else None
     if with_tokenizer and token_src is None and not imported:
         raise ToolError("no tokenizer to ship: pass --tokenizer (SentencePiece .model or tokenizer.json), "
@@ -177,6 +196,10 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
                 bos, eos = export_tokenizer(token_src, out, vocab_size=model.vocab_size, max_length=model.max_seq_length)
             except HFConfigError as exc:
                 raise ToolError(str(exc)) from None
+            if not (out / "tokenizer.json").is_file():
+                warn("tokenizer.json not written (it needs transformers, or its conversion of the SentencePiece "
+                     "model did not reproduce SentencePiece): loaders that ignore tokenizer_config.json's "
+                     "LlamaTokenizer, e.g. vLLM for Mistral/Mixtral models, may tokenize prompts differently")
         config.update(bos_token_id=bos, eos_token_id=eos)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos), indent=2) + "\n")
@@ -201,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("dst", type=Path, help="output Hugging Face model directory")
     add_output_arguments(parser, dtype_help="weight dtype (default: the checkpoint's)")
     add_input_arguments(parser)
-    parser.add_argument("--architecture", choices=["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"],
-                        help="HF class (default: Llama for dense, Mixtral for MoE models)")
+    parser.add_argument("--architecture", choices=list(EXPORT_ARCHITECTURES),
+                        help="HF class (default: Llama for dense, Mixtral for MoE, GPT-2 for LayerNorm/GELU/"
+                             "learned-position models)")
     parser.add_argument("--tokenizer", type=Path, help="SentencePiece .model, tokenizer.json, or a directory")
     parser.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")
     parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_SHARD_BYTES,
@@ -217,7 +241,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = export_hf(args.src, args.dst, dtype=parse_dtype(args.dtype), architecture=args.architecture,
                             tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
                             max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                            progress=not args.no_progress, verify_checksums=not args.no_verify_checksums)
+                            progress=not args.no_progress, verify_checksums=not args.no_verify_checksums,
+                            warn=lambda m: print(f"warning: {m}", file=sys.stderr))
         print(f"wrote {summary['output']}: {summary['architecture']} ({summary['dtype']}, {summary['shards']} "
               f"shard(s), {summary['bytes'] / 1e9:.3f} GB) from {summary['source_layout']} in "
               f"{summary['seconds']:.1f} s; tokenizer: {summary['tokenizer'] or 'none'}")

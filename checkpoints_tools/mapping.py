@@ -11,6 +11,10 @@ see ../shared/notes/megatron-checkpoint-layout.md):
     TP); Mixtral experts: w1 = gate, w3 = up, w2 = down.
   - vocabulary rows are padded to a multiple of make_vocab_size_divisible_by (NOT times TP
     here: our padded size is layout-invariant); HF holds exactly vocab_size rows.
+  - GPT-2 (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases, MHA): its linear
+    layers are Conv1D modules holding [in, out], the transpose of Megatron's [out, in];
+    c_attn holds [all q | all k | all v] columns (and bias entries), split from Megatron's
+    per-head grouping as for Llama.
 """
 
 from __future__ import annotations
@@ -67,6 +71,25 @@ _MOE_RULES = (
          ("model.layers.*.block_sparse_moe.experts.#.w2.weight",)),
 )
 
+_GPT2_RULES = (
+    Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",), "vocab"),
+    Rule("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
+    Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight", ("transformer.h.*.ln_1.weight",)),
+    Rule("decoder.layers.self_attention.linear_qkv.layer_norm_bias", ("transformer.h.*.ln_1.bias",)),
+    Rule("decoder.layers.self_attention.linear_qkv.weight", ("transformer.h.*.attn.c_attn.weight",), "qkv_conv1d"),
+    Rule("decoder.layers.self_attention.linear_qkv.bias", ("transformer.h.*.attn.c_attn.bias",), "qkv_concat"),
+    Rule("decoder.layers.self_attention.linear_proj.weight", ("transformer.h.*.attn.c_proj.weight",), "conv1d"),
+    Rule("decoder.layers.self_attention.linear_proj.bias", ("transformer.h.*.attn.c_proj.bias",)),
+    Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("transformer.h.*.ln_2.weight",)),
+    Rule("decoder.layers.mlp.linear_fc1.layer_norm_bias", ("transformer.h.*.ln_2.bias",)),
+    Rule("decoder.layers.mlp.linear_fc1.weight", ("transformer.h.*.mlp.c_fc.weight",), "conv1d"),
+    Rule("decoder.layers.mlp.linear_fc1.bias", ("transformer.h.*.mlp.c_fc.bias",)),
+    Rule("decoder.layers.mlp.linear_fc2.weight", ("transformer.h.*.mlp.c_proj.weight",), "conv1d"),
+    Rule("decoder.layers.mlp.linear_fc2.bias", ("transformer.h.*.mlp.c_proj.bias",)),
+    Rule("decoder.final_layernorm.weight", ("transformer.ln_f.weight",)),
+    Rule("decoder.final_layernorm.bias", ("transformer.ln_f.bias",)),
+)
+
 # Which dimension of one layer's (one expert's) tensor tensor parallelism splits, and
 # whether it is a GLU fc1 (gate and up halves split separately, when the model is gated).
 # Keys not listed are replicated across TP ranks (norms, router, row-parallel biases).
@@ -95,16 +118,17 @@ EXTRA_STATE_MODULES = {
 
 def rules_for(model: ModelConfig) -> list[Rule]:
     """The name rules of this architecture, in HF order (embeddings, layers, norm, head)."""
-    check_hf_compatible(model)
-    mlp = _MOE_RULES if model.is_moe else _DENSE_MLP_RULES
-    rules = [_GLOBAL_RULES[0], *_ATTENTION_RULES, *mlp, _GLOBAL_RULES[1]]
+    if hf_family(model) == "gpt2":
+        rules = list(_GPT2_RULES)
+    else:
+        mlp = _MOE_RULES if model.is_moe else _DENSE_MLP_RULES
+        rules = [_GLOBAL_RULES[0], *_ATTENTION_RULES, *mlp, _GLOBAL_RULES[1]]
     if not model.tie_embeddings:
         rules.append(_OUTPUT_RULE)
     return rules
 
 
-def check_hf_compatible(model: ModelConfig) -> None:
-    """Refuse architectures Llama/Mistral/Mixtral cannot express, naming the field."""
+def _llama_problems(model: ModelConfig) -> list[str]:
     problems = []
     if model.normalization != "RMSNorm":
         problems.append(f"normalization={model.normalization} (Llama-family models use RMSNorm)")
@@ -116,9 +140,45 @@ def check_hf_compatible(model: ModelConfig) -> None:
         problems.append("linear biases (add_bias_linear / add_qkv_bias)")
     if model.moe_shared_expert_hidden_size:
         problems.append("a shared expert (moe_shared_expert_hidden_size; Mixtral has none)")
-    if problems:
-        raise ValueError("this model has no Llama/Mistral/Mixtral equivalent: " + "; ".join(problems)
-                         + ". Export/import supports RMSNorm + SwiGLU + RoPE decoders without biases")
+    return problems
+
+
+def _gpt2_problems(model: ModelConfig) -> list[str]:
+    problems = []
+    if model.normalization != "LayerNorm":
+        problems.append(f"normalization={model.normalization} (GPT-2 uses LayerNorm)")
+    if model.activation != "gelu":
+        problems.append(f"activation={model.activation} (GPT-2 uses GELU)")
+    if model.position_embedding != "learned_absolute":
+        problems.append(f"position_embedding={model.position_embedding} (GPT-2 learns absolute positions)")
+    if not (model.add_bias_linear and model.add_qkv_bias):
+        problems.append("linears without biases (GPT-2 has add_bias_linear and add_qkv_bias)")
+    if model.query_groups != model.num_attention_heads:
+        problems.append(f"num_query_groups={model.num_query_groups} (GPT-2 is multi-head attention)")
+    if model.head_dim * model.num_attention_heads != model.hidden_size:
+        problems.append(f"kv_channels={model.kv_channels} (GPT-2's head size is hidden_size / heads)")
+    if model.is_moe:
+        problems.append("experts (GPT-2 is dense)")
+    return problems
+
+
+def hf_family(model: ModelConfig) -> str:
+    """'llama' (Llama/Mistral/Mixtral: RMSNorm, SwiGLU, RoPE, no biases) or 'gpt2'
+    (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases, MHA); a ValueError naming
+    the fields when neither can express the model."""
+    llama, gpt2 = _llama_problems(model), _gpt2_problems(model)
+    if not llama:
+        return "llama"
+    if not gpt2:
+        return "gpt2"
+    raise ValueError("this model has no Llama/Mistral/Mixtral or GPT-2 equivalent: as Llama: " + "; ".join(llama)
+                     + "; as GPT-2: " + "; ".join(gpt2) + ". Export/import supports RMSNorm + SwiGLU + RoPE "
+                     "decoders without biases, and (export) GPT-2: LayerNorm + GELU + learned positions + biases")
+
+
+def check_hf_compatible(model: ModelConfig) -> None:
+    """Refuse architectures no HF class of ours can express, naming the field."""
+    hf_family(model)
 
 
 def is_optimizer_key(key: str) -> bool:
@@ -147,24 +207,37 @@ def layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Per-layer (per-expert) shape of every torch_dist model tensor, from the config alone."""
     h, d = model.hidden_size, model.head_dim
     vp = model.padded_vocab_size
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * d
+    fc1 = (2 if model.gated else 1) * (model.expert_ffn_hidden_size if model.is_moe else model.ffn_hidden_size)
     shapes = {
         "embedding.word_embeddings.weight": (vp, h),
         "decoder.final_layernorm.weight": (h,),
         "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (h,),
-        "decoder.layers.self_attention.linear_qkv.weight": ((model.num_attention_heads + 2 * model.query_groups) * d, h),
+        "decoder.layers.self_attention.linear_qkv.weight": (qkv, h),
         "decoder.layers.self_attention.linear_proj.weight": (h, model.num_attention_heads * d),
         "decoder.layers.mlp.linear_fc1.layer_norm_weight": (h,),
     }
     if model.is_moe:
-        f = model.expert_ffn_hidden_size
         shapes["decoder.layers.mlp.router.weight"] = (model.num_experts, h)
-        shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = (2 * f, h)
-        shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = (h, f)
+        shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = (fc1, h)
+        shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = (h, model.expert_ffn_hidden_size)
     else:
-        shapes["decoder.layers.mlp.linear_fc1.weight"] = (2 * model.ffn_hidden_size, h)
+        shapes["decoder.layers.mlp.linear_fc1.weight"] = (fc1, h)
         shapes["decoder.layers.mlp.linear_fc2.weight"] = (h, model.ffn_hidden_size)
     if not model.tie_embeddings:
         shapes["output_layer.weight"] = (vp, h)
+    if model.position_embedding == "learned_absolute":
+        shapes["embedding.position_embeddings.weight"] = (model.max_seq_length, h)
+    if model.normalization == "LayerNorm":
+        for key in ("decoder.final_layernorm.bias", "decoder.layers.self_attention.linear_qkv.layer_norm_bias",
+                    "decoder.layers.mlp.linear_fc1.layer_norm_bias"):
+            shapes[key] = (h,)
+    if model.add_qkv_bias:
+        shapes["decoder.layers.self_attention.linear_qkv.bias"] = (qkv,)
+    if model.add_bias_linear and not model.is_moe:
+        shapes["decoder.layers.self_attention.linear_proj.bias"] = (h,)
+        shapes["decoder.layers.mlp.linear_fc1.bias"] = (fc1,)
+        shapes["decoder.layers.mlp.linear_fc2.bias"] = (h,)
     return shapes
 
 
@@ -200,13 +273,14 @@ def extra_state_keys(model: ModelConfig) -> list[str]:
 # --- transforms: one layer's (one expert's) tensor <-> the HF tensors -------------------
 
 def split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
-    """Megatron's grouped [q heads of group g; k_g; v_g]... rows -> HF q, k, v."""
+    """Megatron's grouped [q heads of group g; k_g; v_g]... rows (weight or bias) -> HF q, k, v."""
     groups, d = model.query_groups, model.head_dim
     per_group = model.num_attention_heads // groups
-    grouped = qkv.reshape(groups, per_group + 2, d, qkv.shape[-1])
-    q = grouped[:, :per_group].reshape(groups * per_group * d, -1)
-    k = grouped[:, per_group].reshape(groups * d, -1)
-    v = grouped[:, per_group + 1].reshape(groups * d, -1)
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per_group + 2, d, *rest)
+    q = grouped[:, :per_group].reshape(groups * per_group * d, *rest)
+    k = grouped[:, per_group].reshape(groups * d, *rest)
+    v = grouped[:, per_group + 1].reshape(groups * d, *rest)
     return q, k, v
 
 
@@ -214,10 +288,42 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConf
     """HF q, k, v -> Megatron's fused rows, grouped by query group (inverse of split_qkv)."""
     groups, d = model.query_groups, model.head_dim
     per_group = model.num_attention_heads // groups
-    cols = q.shape[-1]
-    grouped = torch.cat([q.reshape(groups, per_group, d, cols), k.reshape(groups, 1, d, cols),
-                         v.reshape(groups, 1, d, cols)], dim=1)
-    return grouped.reshape(-1, cols)
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(groups, per_group, d, *rest), k.reshape(groups, 1, d, *rest),
+                         v.reshape(groups, 1, d, *rest)], dim=1)
+    return grouped.reshape(-1, *rest)
+
+
+def _qkv_split_sizes(model: ModelConfig) -> list[int]:
+    d = model.head_dim
+    return [model.num_attention_heads * d, model.query_groups * d, model.query_groups * d]
+
+
+def qkv_to_concat(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor]:
+    """Megatron's per-group QKV bias -> GPT-2's [all q | all k | all v]."""
+    return (torch.cat(split_qkv(qkv, model)),)
+
+
+def concat_to_qkv(concat: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    return fuse_qkv(*concat.split(_qkv_split_sizes(model)), model)
+
+
+def qkv_to_conv1d(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor]:
+    """Megatron's per-group QKV weight [out, in] -> GPT-2's c_attn Conv1D [in, q|k|v]."""
+    return (torch.cat(split_qkv(qkv, model)).t(),)
+
+
+def conv1d_to_qkv(weight: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    return concat_to_qkv(weight.t(), model)
+
+
+def to_conv1d(weight: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor]:
+    """Linear [out, in] -> GPT-2's Conv1D [in, out]."""
+    return (weight.t(),)
+
+
+def from_conv1d(weight: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    return weight.t()
 
 
 def split_gate_up(fc1: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
@@ -254,6 +360,9 @@ TRANSFORMS: dict[str, tuple[Callable[..., Sequence[torch.Tensor]], Callable[...,
     "qkv": (split_qkv, fuse_qkv),
     "gate_up": (split_gate_up, fuse_gate_up),
     "vocab": (unpad_vocab, pad_vocab),
+    "qkv_conv1d": (qkv_to_conv1d, conv1d_to_qkv),
+    "qkv_concat": (qkv_to_concat, concat_to_qkv),
+    "conv1d": (to_conv1d, from_conv1d),
 }
 
 

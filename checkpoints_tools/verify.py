@@ -122,9 +122,9 @@ def make_tokens(hf_dir: Path, vocab_size: int, *, text: Optional[str], batch: in
     if text is None:
         generator = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab_size, (batch, seq), generator=generator)
-    import transformers
+    from checkpoints_tools.hf_format import auto_tokenizer
 
-    ids = transformers.AutoTokenizer.from_pretrained(str(hf_dir))(text)["input_ids"]
+    ids = auto_tokenizer(hf_dir)(text)["input_ids"]
     return torch.tensor([ids])
 
 

@@ -45,17 +45,27 @@ from launch.launchers.local import torchrun_command
 FIELDS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "overhead_frac")
 
 
-def run_once(recipe: str, nproc: int, steps: int, overrides: list[str], run_dir: Path) -> list[dict]:
+def run_records(recipe: str, nproc: int, steps: int, overrides: list[str], run_dir: Path) -> tuple[list[dict], str]:
+    """Train `steps` steps through torchrun; (per-step metrics records, output). The records
+    are empty if the run failed; the output (stdout + stderr) says why."""
     overrides = overrides + [
         f"schedule.train_steps={steps}", "schedule.eval_interval=0", "logging.log_interval=1",
         "logging.tensorboard=false", f"logging.run_dir={run_dir}", "checkpoint.dir=null",
     ]
     cmd = torchrun_command(recipe, nproc, overrides)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        raise SystemExit(f"benchmark run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return [], f"exit {proc.returncode}:\n{output}"
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if '"loss"' in line]
+    return [json.loads(line) for line in lines if '"loss"' in line], output
+
+
+def run_once(recipe: str, nproc: int, steps: int, overrides: list[str], run_dir: Path) -> list[dict]:
+    records, output = run_records(recipe, nproc, steps, overrides, run_dir)
+    if not records:
+        raise SystemExit(f"benchmark run failed ({output[:8]}):\n{output[-6000:]}")
+    return records
 
 
 def _env() -> dict:

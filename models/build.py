@@ -7,7 +7,8 @@
      `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with
      our MoE router (`models.moe`).
   3. one `GPTModel` per virtual pipeline stage, each with the pre/post-process flags of
-     its position in the pipeline, built on the current device.
+     its position in the pipeline, built on the current device; Llama-3.1 RoPE scaling
+     completed with all four of its values (`models.rope`: GPTModel passes only the factor).
   4. expert weights marked expert-parallel at every EP size (same optimizer structure).
   5. `initialize_weights`: layout-invariant values (seed, global name) -> same start for
      every layout.
@@ -38,30 +39,26 @@ from models.context_parallel import ContextParallelAttention
 from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
 from models.moe import with_layout_invariant_router
+from models.precision import MachineFacts, fp8_transformer_kwargs, probe_machine
 from models.runtime import RuntimeOptions, SpecName
 from models.portable import PortableNorm
+from models.rope import apply_llama3_scaling
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
     """Init method that leaves the tensor as is (see perform_initialization below)."""
     return tensor
 
 
-def te_available() -> bool:
+def te_available(facts: Optional[MachineFacts] = None) -> bool:
     """True when Transformer Engine imports and a GPU is present (what `auto` needs for `te`)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return (facts or probe_machine()).has_te
 
 
-def resolve_spec(spec: SpecName) -> Literal["te", "portable"]:
+def resolve_spec(spec: SpecName, facts: Optional[MachineFacts] = None) -> Literal["te", "portable"]:
     """`auto` -> the spec this machine runs; `te` is refused where it cannot run."""
     if spec == "auto":
-        return "te" if te_available() else "portable"
-    if spec == "te" and not te_available():
+        return "te" if te_available(facts) else "portable"
+    if spec == "te" and not te_available(facts):
         raise RuntimeError(
             "layer spec 'te' needs Transformer Engine and a CUDA GPU; install the `gpu` extra "
             "(pip install '.[gpu]') on a GPU machine, or set runtime.spec=portable"
@@ -106,7 +103,7 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        fp8=runtime.fp8,
+        **fp8_transformer_kwargs(runtime),
         # Loss is summed per token and divided by the global token count in
         # finalize_model_grads: exact for any DP/microbatch split.
         calculate_per_token_loss=True,
@@ -118,15 +115,19 @@ def transformer_config(
         init_method=_keep,
         output_layer_init_method=_keep,
         use_cpu_initialization=False,
-        # Fused kernels exist only on GPU.
-        bias_activation_fusion=on_gpu and spec == "te" and model.gated,
+        # Fused kernels exist only on GPU (runtime.fused_*: None = this default; validation
+        # refuses them without the te spec).
+        bias_activation_fusion=_pick(runtime.fused_swiglu, on_gpu and spec == "te") and model.gated,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        apply_rope_fusion=_pick(runtime.fused_rope, False),
+        gradient_accumulation_fusion=_pick(runtime.gradient_accumulation_fusion, False),
         persist_layer_norm=False,
         attention_backend=AttnBackend.auto if spec == "te" else AttnBackend.local,
     )
+    if runtime.fused_cross_entropy:
+        # TE's fused vocab-parallel cross-entropy (logits never materialised in fp32).
+        kwargs.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
     if runtime.recompute == "selective":
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif runtime.recompute == "full":
@@ -140,6 +141,10 @@ def transformer_config(
 
 
 _TE_CP_COMM = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather"}
+
+
+def _pick(option: Optional[bool], default: bool) -> bool:
+    return default if option is None else option
 
 
 def _moe_kwargs(model: ModelConfig, layout: ParallelLayout, spec: str, grouped_gemm: Optional[bool]) -> dict:
@@ -224,6 +229,9 @@ def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: Runt
             rope_scaling_factor=model.rope_scaling_factor,
             vp_stage=vp,
         )
+        if model.position_embedding == "rope":
+            # GPTModel hands RotaryEmbedding only the scaling factor (see models/rope.py).
+            apply_llama3_scaling(gpt.rotary_pos_emb, model)
         if gpt.pre_process and model.position_embedding == "learned_absolute":
             # Megatron-Core creates learned position embeddings as a plain fp32
             # torch.nn.Embedding (Megatron-LM casts them through Float16Module, which we do

@@ -40,9 +40,15 @@ class ModelConfig(BaseModel):
     activation: Literal["swiglu", "gelu"] = "swiglu"
     position_embedding: Literal["rope", "learned_absolute"] = "rope"
     rope_base: float = 10000.0
-    # Llama-3.1 style frequency scaling (factor 8, low/high freq factors 1/4, original 8192).
+    # Llama-3.1 style frequency scaling (HF rope_type "llama3"): RoPE wavelengths longer than
+    # original_max_position_embeddings / low_freq_factor are stretched by the factor, those
+    # shorter than original / high_freq_factor kept, the band between interpolated smoothly.
+    # Defaults are Llama-3.1's (8, 1, 4, 8192); older configs without the last three load with them.
     rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
+    rope_scaling_factor: float = Field(default=8.0, gt=0)
+    rope_scaling_low_freq_factor: float = Field(default=1.0, gt=0)
+    rope_scaling_high_freq_factor: float = Field(default=4.0, gt=0)
+    rope_scaling_original_max_position_embeddings: int = Field(default=8192, gt=0)
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     tie_embeddings: bool = False
@@ -77,6 +83,11 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}; set kv_channels explicitly or change one of them"
+            )
+        if self.rope_scaling_low_freq_factor >= self.rope_scaling_high_freq_factor:
+            raise ValueError(
+                f"rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} must be below "
+                f"rope_scaling_high_freq_factor={self.rope_scaling_high_freq_factor} (Llama-3.1: 1 and 4)"
             )
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(

@@ -140,4 +140,14 @@ def initialize_weights(chunks: list[torch.nn.Module], model: ModelConfig, seed: 
                 # The last stage's copy of a tied embedding must equal the first stage's.
                 name = "embedding.word_embeddings.weight"
             full = _draw(name, _global_shape(param, name), model, seed, param.device)
-            param.copy_(_local_shard(full, param, name, model.gated))
+            value = _local_shard(full, param, name, model.gated)
+            param.copy_(value)  # an FP8 weight (runtime.fp8_param_gather) quantizes it
+            kept = getattr(param, "_high_precision_init_val", None)
+            if kept is not None:
+                # FP8 weights: Transformer Engine keeps the construction-time values on the CPU
+                # (module/base.py, preserve_high_precision_init_val) and Megatron's distributed
+                # optimizer builds its FP32 master weights from them, not from the FP8 values
+                # (distrib_optimizer.py, get_high_precision_init_val). Construction drew nothing
+                # (init_method is _keep), so without this the masters would start from
+                # uninitialised memory and the first update would overwrite our weights with it.
+                param._high_precision_init_val = value.detach().to(kept.dtype).cpu()

@@ -37,6 +37,23 @@ class ParallelLayout(BaseModel):
     # MoE token dispatcher over the EP group: "alltoall" sends each token only to the ranks
     # of its experts; "allgather" gathers all tokens everywhere (simpler, more traffic).
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # Data-parallel sharding, the ZeRO ladder: "none" = plain DDP (every rank holds all
+    # parameters, gradients and optimizer state); "zero1" shards the optimizer state
+    # (Megatron's distributed optimizer); "zero2" also the gradients and "zero3" also the
+    # parameters (Megatron-FSDP). None = follow optimizer.distributed (zero1 / none).
+    sharding: Optional[Literal["none", "zero1", "zero2", "zero3"]] = None
+    # HSDP (zero2/zero3): shard over DP / hsdp_replicas ranks (inside a node) and replicate
+    # the shards across hsdp_replicas groups (across nodes). 1 = shard over all of DP.
+    hsdp_replicas: int = Field(default=1, gt=0)
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether Megatron-FSDP wraps the model (ZeRO-2/3)."""
+        return self.sharding in ("zero2", "zero3")
+
+    def shard_group_size(self, world_size: int) -> int:
+        """Ranks one copy of the sharded state is spread over: DP (x CP) / hsdp_replicas."""
+        return self.data_parallel(world_size) * self.context_parallel // self.hsdp_replicas
 
     @property
     def model_parallel_size(self) -> int:
@@ -94,6 +111,10 @@ class ParallelLayout(BaseModel):
             parts.append(f"DP{self.data_parallel(world_size)}")
         if self.sequence_parallel:
             parts.append("SP")
+        if self.fsdp:
+            parts.append(self.sharding.replace("zero", "ZeRO"))
+        if self.hsdp_replicas > 1:
+            parts.append(f"HSDP{self.hsdp_replicas}")
         return "x".join(parts)
 
 
@@ -129,6 +150,36 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int)
         _check_divides("CP (cp_comm_type=a2a)", cp, "attention heads per TP rank", model.num_attention_heads // tp)
         _check_divides("CP (cp_comm_type=a2a)", cp, "query groups per TP rank", model.query_groups // tp)
     _validate_moe(model, layout, world_size)
+    _validate_sharding(model, layout, world_size)
+
+
+def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
+    """What Megatron-FSDP (ZeRO-2/3) runs correctly in megatron-core 0.16.1; the reasons are
+    in pretrain/megatron_fixes/fsdp.py."""
+    if layout.hsdp_replicas > 1 and not layout.fsdp:
+        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} needs sharding=zero2 or zero3 (HSDP shards "
+                          "inside a replica and replicates across replicas)")
+    if not layout.fsdp:
+        return
+    name = layout.sharding
+    if layout.pipeline_parallel > 1:
+        raise LayoutError(
+            f"sharding={name} (Megatron-FSDP) does not support pipeline_parallel={layout.pipeline_parallel} in "
+            "megatron-core 0.16.1 (its device mesh has no pipeline dimension); use sharding=zero1 with "
+            f"PP{layout.pipeline_parallel}, or fold PP into data parallelism (pipeline_parallel=1) with {name}")
+    dp_cp = layout.data_parallel(world_size) * layout.context_parallel
+    if dp_cp % layout.hsdp_replicas:
+        valid = [d for d in divisors(dp_cp) if dp_cp // d > 1]
+        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide DP x CP = {dp_cp}; "
+                          f"valid hsdp_replicas: {', '.join(map(str, valid))}")
+    if layout.shard_group_size(world_size) < 2:
+        raise LayoutError(
+            f"sharding={name} over a shard group of {layout.shard_group_size(world_size)} rank shards nothing "
+            f"(DP x CP = {dp_cp}, hsdp_replicas={layout.hsdp_replicas}), and Megatron-FSDP 0.16.1 double-counts "
+            "gradients there; use sharding=none or zero1, or more data-parallel ranks per replica")
+    if model.is_moe and layout.hsdp_replicas > 1:
+        raise LayoutError("a MoE model with hsdp_replicas > 1 trains wrong weights under Megatron-FSDP 0.16.1 "
+                          "(no expert mesh for HSDP); use hsdp_replicas=1 (shard over all of DP)")
 
 
 def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:

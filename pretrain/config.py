@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from models import precision
 from models.config import ModelConfig
 from models.layout import LayoutError, ParallelLayout, validate_layout
 from models.runtime import RuntimeOptions
@@ -25,8 +26,8 @@ class _Strict(BaseModel):
 
 
 class RuntimeConfig(RuntimeOptions):
-    """models.runtime.RuntimeOptions (seed, spec, dtype, fp8, recompute, moe_grouped_gemm)
-    plus training-only keys."""
+    """models.runtime.RuntimeOptions (seed, spec, dtype, recompute, moe_grouped_gemm, FP8,
+    fused kernels) plus training-only keys."""
 
     # Fault injection for testing checkpoint.on_nan: rank 0 poisons its gradients at this step.
     inject_nan_step: Optional[int] = Field(default=None, gt=0)
@@ -50,10 +51,21 @@ class OptimizerConfig(_Strict):
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = Field(default=1.0, ge=0)
-    # Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over DP).
+    # Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over DP). Same as
+    # parallel.sharding=zero1 (true) / none (false); parallel.sharding, when set, decides.
     distributed: bool = True
+    # Optimizer state and fp32 main weights in host memory, the Adam step on the CPU
+    # (Megatron's HybridDeviceOptimizer): GPU only, with a sharded optimizer (zero1-3).
+    cpu_offload: bool = False
     # fp16 only: initial dynamic loss scale.
     initial_loss_scale: float = 2.0**16
+    # GPU speed options (NCCL only; their effect is to be measured, launch.benchmark_table):
+    # reduce gradient buckets while backward still runs; all-gather parameter buckets (distributed
+    # optimizer) during the next forward instead of at the end of the optimizer step.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # Parameters per gradient bucket; None = Megatron's max(40M, 1M x DP).
+    bucket_size: Optional[int] = Field(default=None, gt=0)
 
 
 class ScheduleConfig(_Strict):
@@ -296,8 +308,10 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
             f"schedule.seq_length={sched.seq_length} must be divisible by 2 x CP = "
             f"{2 * layout.context_parallel} (load-balanced context parallel split)"
         )
+    _check_precision(config)
     if config.runtime.spec == "portable":
         check_spec_support(config, "portable")
+    _check_sharding(config)
     if config.optimizer.min_lr > config.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={config.optimizer.min_lr} exceeds optimizer.lr={config.optimizer.lr}")
     data = config.data
@@ -311,13 +325,52 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
                           f"(ranks 0..{world_size - 1}); or use profile.ranks=all")
 
 
+def data_parallel_sharding(config: ExperimentConfig) -> str:
+    """The ZeRO stage that runs: parallel.sharding, else zero1/none by optimizer.distributed."""
+    sharding = config.parallel.sharding
+    if sharding is None:
+        return "zero1" if config.optimizer.distributed else "none"
+    return sharding
+
+
+def _check_sharding(config: ExperimentConfig) -> None:
+    sharding, opt = data_parallel_sharding(config), config.optimizer
+    if config.parallel.sharding not in (None, "none") and not opt.distributed:
+        raise ConfigError(f"parallel.sharding={sharding} shards the optimizer state, but optimizer.distributed=false "
+                          "asks for an unsharded optimizer; drop optimizer.distributed=false")
+    if opt.cpu_offload and sharding == "none":
+        raise ConfigError("optimizer.cpu_offload needs a sharded optimizer (parallel.sharding=zero1, zero2 or zero3)")
+    if config.parallel.fsdp and config.runtime.dtype == "fp16":
+        raise ConfigError(f"parallel.sharding={sharding} (Megatron-FSDP) is not supported here with fp16 loss "
+                          "scaling; use runtime.dtype=bf16 (or fp32), or parallel.sharding=zero1")
+
+
+def _check_precision(config: ExperimentConfig) -> None:
+    """FP8 and speed options that cannot work on any machine."""
+    problems = precision.config_problems(
+        config.runtime, num_layers=config.model.num_layers, pipeline_parallel=config.parallel.pipeline_parallel,
+        distributed_optimizer=config.optimizer.distributed)
+    opt = config.optimizer
+    if opt.overlap_param_gather and not opt.distributed:
+        problems.append("optimizer.overlap_param_gather=true needs optimizer.distributed=true (it overlaps the "
+                        "distributed optimizer's parameter all-gather)")
+    if config.runtime.fp8_recipe_name == "mxfp8" and config.runtime.fp8_param_gather and opt.overlap_param_gather:
+        problems.append("runtime.fp8_param_gather with fp8_recipe=mxfp8 and optimizer.overlap_param_gather: "
+                        "Megatron-Core 0.16.1 then leaves the parameter copy to the training loop "
+                        "(optimizer.py, reuse_grad_buf_for_mxfp8_param_ag), which this loop does not do; "
+                        "set optimizer.overlap_param_gather=false")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def check_spec_support(config: ExperimentConfig, spec: str) -> None:
     """Refuse features the (resolved) layer spec cannot run; the message names the fix."""
     if spec != "portable":
         return
     runtime, layout = config.runtime, config.parallel
-    if runtime.fp8:
-        raise ConfigError("runtime.fp8 needs the Transformer Engine spec; set runtime.spec=te or auto on GPU")
+    problems = precision.machine_problems(runtime, spec, precision.MachineFacts())
+    if problems:
+        raise ConfigError("; ".join(problems))
     if layout.context_parallel > 1 and layout.cp_comm_type not in (None, "allgather"):
         raise ConfigError(
             f"parallel.cp_comm_type={layout.cp_comm_type} needs the Transformer Engine spec (runtime.spec=te "
@@ -329,36 +382,51 @@ def check_spec_support(config: ExperimentConfig, spec: str) -> None:
                           "GEMM); set runtime.spec=te on GPU, or runtime.moe_grouped_gemm=false")
 
 
-def validate_for_machine(config: ExperimentConfig) -> str:
+def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.MachineFacts] = None) -> str:
     """Resolve runtime.spec on this machine and check the config against it; returns the spec.
 
     Separate from `validate_for_world` because `auto` depends on the machine (a dry run on a
     laptop validates a GPU recipe without Transformer Engine). Call before any process group.
+    `facts` (the GPU's compute capability, CUDA, Transformer Engine) default to
+    `models.precision.probe_machine()`; FP8 recipes are checked against them, so "MXFP8 on
+    an H100" fails here, before any model is built.
     """
     from models.build import resolve_spec
 
+    facts = facts or precision.probe_machine()
     try:
-        spec = resolve_spec(config.runtime.spec)
+        spec = resolve_spec(config.runtime.spec, facts)
     except RuntimeError as exc:
         raise ConfigError(str(exc)) from None
     check_spec_support(config, spec)
-    _check_observability(config)
+    problems = precision.machine_problems(config.runtime, spec, facts)
+    opt = config.optimizer
+    if not facts.has_gpu:
+        # Megatron's overlapped paths issue asynchronous coalesced collectives; on gloo those
+        # corrupted the heap now and then (notes/megatron-fsdp-on-cpu.md). GPU (NCCL) only.
+        problems += [f"optimizer.{key}=true needs a GPU (NCCL); remove it on this machine"
+                     for key in ("overlap_grad_reduce", "overlap_param_gather") if getattr(opt, key)]
+        if opt.cpu_offload:
+            problems.append("optimizer.cpu_offload=true moves optimizer state from GPU to host memory "
+                            "(Megatron's HybridDeviceOptimizer: pinned memory, CUDA streams); this machine "
+                            "has no GPU and the state is in host memory already: remove it")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    _check_observability(config, facts.has_gpu)
     return spec
 
 
-def _check_observability(config: ExperimentConfig) -> None:
+def _check_observability(config: ExperimentConfig, has_gpu: bool) -> None:
     """Tracker extras installed and CUDA-only profiling on CUDA, at start-up (not at the
     first log call, hours later)."""
     import importlib.util
-
-    import torch
 
     for key, module in (("mlflow", "mlflow"), ("wandb", "wandb")):
         if getattr(config.tracking, key) and importlib.util.find_spec(module) is None:
             raise ConfigError(f"tracking.{key}=true needs the {module} package, which is not installed: "
                               f"pip install 'mcore-stack[{key}]' (or set tracking.{key}=false)")
     profile = config.profile
-    if not torch.cuda.is_available():
+    if not has_gpu:
         if profile.start_step is not None and profile.mode == "nsys":
             raise ConfigError("profile.mode=nsys needs CUDA (it brackets the window with cudaProfilerStart/"
                               "Stop for nsys); on CPU use profile.mode=torch")

@@ -90,6 +90,29 @@ def mixtral_8x7b() -> ExperimentConfig:
     return _h100_base("mixtral-8x7b", "mixtral-8x7b", layout, seq=4096, gbs=256, lr=1e-4, steps=250_000)
 
 
+# GPU speed options for the production recipes, prepared but NOT chosen: none has been
+# measured yet (issue 18 needs a GPU). Each is a list of overrides; a variant becomes a recipe
+# default only after it wins in `python -m launch.benchmark_table --variant NAME` on the target
+# GPU, with the measured reason written beside it. All need a GPU (validation refuses them on CPU).
+SPEED_VARIANTS: dict[str, list[str]] = {
+    "baseline": [],
+    # Gradient reduce-scatter during backward, parameter all-gather during the next forward
+    # (distributed optimizer). Only helps at DP > 1; on one GPU it measures the hooks' cost.
+    "overlap": ["optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true"],
+    # Larger buckets: fewer, bigger collectives (Megatron's default is max(40M, 1M x DP) params).
+    "bucket-100m": ["optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=100000000"],
+    # Transformer Engine / Megatron fused kernels.
+    "fused": ["runtime.fused_rope=true", "runtime.fused_swiglu=true", "runtime.fused_cross_entropy=true"],
+    "fused+overlap": ["runtime.fused_rope=true", "runtime.fused_swiglu=true", "runtime.fused_cross_entropy=true",
+                      "optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true"],
+    # Weight gradients accumulated into the fp32 main grads inside the GEMM (needs APEX's
+    # fused_weight_gradient_mlp_cuda for Megatron-Core's output layer; validation says so).
+    "wgrad-fusion": ["runtime.gradient_accumulation_fusion=true"],
+    # FP8 runs only: weights kept and all-gathered in FP8.
+    "fp8-param-gather": ["runtime.fp8_param_gather=true"],
+}
+
+
 RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
     "tiny-llama": tiny_llama,
     "tiny-moe": tiny_moe,

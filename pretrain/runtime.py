@@ -72,7 +72,9 @@ def init_distributed(layout: ParallelLayout, *, seed: int, timeout_minutes: int 
             **rendezvous,
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(**layout.megatron_parallel_sizes())
+        # HSDP: Megatron's data-parallel groups split into inner (shard) and outer (replica) ones.
+        parallel_state.initialize_model_parallel(**layout.megatron_parallel_sizes(),
+                                                 num_distributed_optimizer_instances=layout.hsdp_replicas)
     set_seeds(seed)
     return env
 

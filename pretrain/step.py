@@ -156,6 +156,14 @@ def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> dict[s
 def _local_grads_bad(state: TrainingState) -> bool:
     """Whether this rank holds a NaN/Inf gradient (one sum per grad buffer, no collective)."""
     for chunk in state.model:
+        if hasattr(chunk, "param_and_grad_buffer"):  # Megatron-FSDP
+            # Only the optimizer's gradient shards: the buffers' alignment gaps receive
+            # whatever the temporary reduce-scatter bucket held (NaN now and then, never read).
+            for _, param in chunk.param_and_grad_buffer.optimizer_named_parameters:
+                grad = param.grad
+                if grad is not None and not torch.isfinite(grad._local_tensor.float().sum()):
+                    return True
+            continue
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             if not torch.isfinite(buffer.grad_data.float().sum()):
                 return True
@@ -163,8 +171,15 @@ def _local_grads_bad(state: TrainingState) -> bool:
 
 
 def _inject_nan(state: TrainingState) -> None:
-    if dist.get_rank() == 0:
-        state.model[0].buffers[0].grad_data.fill_(float("nan"))
+    if dist.get_rank() != 0:
+        return
+    chunk = state.model[0]
+    if hasattr(chunk, "param_and_grad_buffer"):  # Megatron-FSDP: this rank's gradient shards
+        for _, param in chunk.param_and_grad_buffer.optimizer_named_parameters:
+            if param.grad is not None:
+                param.grad._local_tensor.fill_(float("nan"))
+        return
+    chunk.buffers[0].grad_data.fill_(float("nan"))
 
 
 def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,

@@ -1,9 +1,12 @@
-"""`wrap_for_training`: model chunks -> Megatron DDP -> optimizer -> LR/WD schedule.
+"""`wrap_for_training`: model chunks -> Megatron DDP or Megatron-FSDP -> optimizer -> LR/WD schedule.
 
 Order (each step needs the previous one):
-  1. Megatron `DistributedDataParallel` per chunk: contiguous grad buffers; only chunk 0
-     uses bucketing (Megatron-LM does the same: later chunks' grads finish first under
-     interleaving, so bucket overlap helps only the first).
+  1. Data parallelism by `parallel.sharding`: "none"/"zero1": Megatron
+     `DistributedDataParallel` per chunk (contiguous grad buffers; only chunk 0 uses
+     bucketing: Megatron-LM does the same, as later chunks' grads finish first under
+     interleaving). "zero2"/"zero3": Megatron-FSDP (`FullyShardedDataParallel`, strategy
+     `optim_grads` / `optim_grads_params`; HSDP shards inside a replica and replicates
+     across `hsdp_replicas`).
   2. `get_megatron_optimizer`: AdamW (Transformer Engine's FusedAdam on GPU, torch's
      AdamW on CPU), mixed-precision wrapper, distributed optimizer (ZeRO-1) if asked.
   3. Hooks on the TransformerConfig that the schedules call: no_sync for gradient
@@ -25,7 +28,8 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
-from pretrain.config import ExperimentConfig
+from pretrain.config import ExperimentConfig, data_parallel_sharding
+
 
 @dataclasses.dataclass
 class TrainingState:
@@ -35,51 +39,96 @@ class TrainingState:
 
 
 def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -> TrainingState:
-    opt = config.optimizer
-    dtype = config.runtime.torch_dtype
+    sharding = data_parallel_sharding(config)
     tconfig = get_model_config(chunks[0])
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=opt.distributed,
-        check_for_nan_in_grad=False,
-    )
-    model = [
-        DistributedDataParallel(
-            config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
-        )
-        for index, chunk in enumerate(chunks)
-    ]
-    for m in model:
-        m.broadcast_params()  # DP replicas start identical (they already do; cheap insurance)
+    ddp_config = _ddp_config(config, sharding)
+    if ddp_config.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    optimizer = get_megatron_optimizer(
-        MegatronOptimizerConfig(
-            optimizer="adam",
-            lr=opt.lr,
-            min_lr=opt.min_lr,
-            weight_decay=opt.weight_decay,
-            adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2,
-            adam_eps=opt.adam_eps,
-            clip_grad=opt.clip_grad,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            params_dtype=dtype,
-            initial_loss_scale=opt.initial_loss_scale,
-            use_distributed_optimizer=opt.distributed,
-        ),
-        model,
-    )
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        model = [FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk,
+                                          disable_bucketing=index > 0, device=device)
+                 for index, chunk in enumerate(chunks)]
+    else:
+        model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk,
+                                         disable_bucketing=index > 0)
+                 for index, chunk in enumerate(chunks)]
+        for m in model:
+            m.broadcast_params()  # DP replicas start identical (they already do; cheap insurance)
+    optimizer = get_megatron_optimizer(_optimizer_config(config, sharding), model)
 
     tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     tconfig.finalize_model_grads_func = finalize_model_grads
-    if dtype == torch.float16:
+    if config.runtime.torch_dtype == torch.float16:
         tconfig.grad_scale_func = optimizer.scale_loss
+    return TrainingState(model=model, optimizer=optimizer, scheduler=_scheduler(optimizer, config))
 
-    sched = config.schedule
+
+_FSDP_STRATEGY = {"zero2": "optim_grads", "zero3": "optim_grads_params"}
+
+
+def _ddp_config(config: ExperimentConfig, sharding: str) -> DistributedDataParallelConfig:
+    opt, runtime, layout = config.optimizer, config.runtime, config.parallel
+    # MXFP8 weights all-gathered in FP8 reuse the gradient buffer for the gather (what
+    # Megatron-Bridge's MXFP8 recipe sets; without it each bucket needs a second buffer).
+    reuse_grad_buf = runtime.fp8_recipe_name == "mxfp8" and runtime.fp8_param_gather
+    common = dict(grad_reduce_in_fp32=True, check_for_nan_in_grad=False, bucket_size=opt.bucket_size,
+                  fp8_param_gather=runtime.fp8_param_gather, reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buf)
+    if sharding not in _FSDP_STRATEGY:
+        return DistributedDataParallelConfig(
+            **common, overlap_grad_reduce=opt.overlap_grad_reduce, overlap_param_gather=opt.overlap_param_gather,
+            use_distributed_optimizer=sharding == "zero1")
+    return DistributedDataParallelConfig(
+        **common,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=_FSDP_STRATEGY[sharding],
+        use_distributed_optimizer=True,  # Megatron-FSDP's optimizer path (main weights, all-gather)
+        # Megatron-FSDP reduces from its backward hooks; without overlap its strategy `optim`
+        # reduces twice (0.16.1), so overlap is on for every strategy.
+        overlap_grad_reduce=True,
+        overlap_param_gather=sharding == "zero3",
+        # HSDP: shard inside a replica, replicate across replicas (outer `no_shard`; the
+        # outer-sharded variants get the grad norm wrong in 0.16.1: megatron_fixes/fsdp.py).
+        num_distributed_optimizer_instances=layout.hsdp_replicas,
+        outer_dp_sharding_strategy="no_shard",
+        # fp32 weights ARE the main weights: no second fp32 copy (exact; saves 4 bytes per
+        # parameter / shard group). Mixed precision keeps fp32 main weights.
+        preserve_fp32_weights=runtime.torch_dtype != torch.float32,
+    )
+
+
+def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimizerConfig:
+    opt, runtime = config.optimizer, config.runtime
+    dtype = runtime.torch_dtype
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+                   use_precision_aware_optimizer=True) if opt.cpu_offload else {}
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        initial_loss_scale=opt.initial_loss_scale,
+        use_distributed_optimizer=sharding != "none",
+        # The distributed optimizer shards FP8 weights differently per recipe (MXFP8 and
+        # block-scaled tensors cannot be viewed flat) and must know the recipe.
+        fp8_recipe=runtime.fp8_recipe_name,
+        reuse_grad_buf_for_mxfp8_param_ag=runtime.fp8_recipe_name == "mxfp8" and runtime.fp8_param_gather,
+        overlap_param_gather=opt.overlap_param_gather,
+        **offload,
+    )
+
+
+def _scheduler(optimizer, config: ExperimentConfig) -> OptimizerParamScheduler:
+    opt, sched = config.optimizer, config.schedule
     decay_steps = sched.decay_steps or sched.train_steps
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=opt.lr,
@@ -92,4 +141,3 @@ def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
     )
-    return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler)

@@ -139,15 +139,18 @@ def without_clones():
 
 def own_storage_alias(data: torch.Tensor) -> torch.Tensor:
     """`data` (a contiguous CPU view) as a tensor whose storage is exactly its bytes, without
-    a copy: torch's checkpoint writers clone any tensor whose storage is larger."""
+    a copy: torch's checkpoint writers clone any tensor whose storage is larger. The alias is
+    a slice of the owner's storage (same memory; the owner stays resizable, which
+    Megatron-FSDP needs to free its gathered buckets after a save). Use it only while the
+    owner's memory is alive: for the duration of a synchronous save."""
     if data.device.type != "cpu" or not data.is_contiguous():
         return data
-    if data.untyped_storage().nbytes() == data.numel() * data.element_size():
+    storage = data.untyped_storage()
+    nbytes = data.numel() * data.element_size()
+    if storage.nbytes() == nbytes:
         return data  # already a whole storage
-    # numpy wraps exactly the view's bytes (and keeps the owner alive); bf16 goes as int16.
-    raw = data.detach().view(torch.int16) if data.dtype == torch.bfloat16 else data.detach()
-    alias = torch.from_numpy(raw.numpy())
-    return alias.view(torch.bfloat16) if data.dtype == torch.bfloat16 else alias
+    start = data.storage_offset() * data.element_size()
+    return torch.empty(0, dtype=data.dtype).set_(storage[start:start + nbytes], 0, data.shape)
 
 
 def helper_process_init() -> None:

@@ -10,7 +10,9 @@
         model.num_attention_heads=16 model.num_query_groups=4 model.vocab_size=32000
 
 Builds the model and optimizer (no training; one optimizer step so Adam state exists),
-then per repeat: a synchronous save, an async save, and a load. Async: the stall is the
+then per repeat: a synchronous save; the same state through dist_checkpointing alone, with and
+without the shards hashed as they are written (the cost of checkpoint checksums on save); the
+checksum verification a resume does by default; an async save; and a load. Async: the stall is the
 time until `save()` returns and training goes on (the first repeat's, which also allocates
 the staging memory, is reported apart); training steps then run until the checkpoint is
 COMPLETE (total), and their time beyond a step without a save in flight is reported
@@ -20,7 +22,9 @@ COMPLETE (total), and their time beyond a step without a save in flight is repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -76,9 +80,39 @@ def _saver(run, root: Path, async_save: bool):
     return Checkpointer(run.config.model_copy(update={"checkpoint": ckpt}), run.world_size, lambda m: None)
 
 
+def _hashing_cost(run, scratch: Path) -> dict:
+    """dist_checkpointing's own save of the same state, with and without the shards hashed as
+    they are written (pretrain.checkpointing.integrity): the cost of the checksums on save."""
+    from megatron.core import dist_checkpointing
+
+    from pretrain.checkpointing.async_writer import without_clones
+    from pretrain.checkpointing.checkpointer import _sharded_state
+    from pretrain.megatron_fixes.checkpointing import unhashed_writes
+
+    out = {}
+    for name, hooks in (("dcp_save_unhashed_s", unhashed_writes), ("dcp_save_hashed_s", contextlib.nullcontext)):
+        target = scratch / name
+        if dist.get_rank() == 0:
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+        dist.barrier()
+        state = _sharded_state(run.state, is_loading=False)
+        start = time.perf_counter()
+        with hooks(), without_clones():
+            dist_checkpointing.save(state, str(target))
+        dist.barrier()
+        out[name] = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
 def _one_repeat(run, step: int, sync_saver, async_saver, step_fn, load: bool) -> dict:
     from pretrain.checkpointing.checkpointer import load as load_checkpoint
     from pretrain.checkpointing.format import step_dir_name
+
+    from pretrain.checkpointing.format import CheckpointMeta
+    from pretrain.checkpointing.integrity import checksum_problems
 
     out = {}
     start = time.perf_counter()
@@ -86,6 +120,11 @@ def _one_repeat(run, step: int, sync_saver, async_saver, step_fn, load: bool) ->
     out["sync_save_s"] = time.perf_counter() - start
     saved = sync_saver.root / step_dir_name(step)
     out["bytes"] = _dir_bytes(saved)
+    out.update(_hashing_cost(run, sync_saver.root / "scratch"))
+    # What resume adds by default: re-read and hash every file (one rank here).
+    start, cpu = time.perf_counter(), time.process_time()
+    assert not checksum_problems(saved, CheckpointMeta.read(saved).files)
+    out["verify_checksums_s"], out["verify_checksums_cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
 
     if async_saver is not None:
         out.update(_async_save(run, step, async_saver, step_fn))
@@ -162,6 +201,8 @@ def _report(args, config, results: list[dict], params: int) -> None:
             med["async_stall_s"] = statistics.median(r["async_stall_s"] for r in results[1:])
         med["async_stall_vs_sync"] = med["async_stall_s"] / med["sync_save_s"]
     med["save_gb_per_s"] = med["bytes"] / med["sync_save_s"] / 1e9
+    med["hashing_on_save_frac"] = med["dcp_save_hashed_s"] / med["dcp_save_unhashed_s"] - 1
+    med["verify_checksums_gb_per_s"] = med["bytes"] / med["verify_checksums_s"] / 1e9
     table = Table(title=f"checkpoint benchmark: {params / 1e6:.1f}M parameters, median of {len(results)}")
     table.add_column("metric")
     table.add_column("median", justify="right")

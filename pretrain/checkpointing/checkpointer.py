@@ -18,11 +18,13 @@ numbers and strings (the LR scheduler state).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from pretrain.checkpointing import async_writer
+from pretrain.checkpointing import async_writer, fsdp_state
 from pretrain.checkpointing.integrity import collect_file_table
 from pretrain.checkpointing.format import (
     CONFIG,
@@ -48,7 +50,8 @@ from pretrain.checkpointing.format import (
 from pretrain.config import ExperimentConfig, dump_yaml
 from pretrain.runtime import collective_device
 
-__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "load", "load_model_weights"]
+__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "load", "load_model_weights",
+           "precision_change"]
 
 # The optimizer format that loads at any TP/PP/DP layout. 0.16.1's other reshardable
 # format, "fully_sharded_model_space", fails on flattened ranges ("ShardedTensor.
@@ -62,6 +65,12 @@ def _model_state(chunks: list) -> dict:
 
 
 def _sharded_state(run_state, is_loading: bool) -> dict:
+    """Model chunks and optimizer as dist_checkpointing saves/loads them. Under Megatron-FSDP
+    call it inside `fsdp_state.gathered`: the same keys and tensors, from the gathered model."""
+    if fsdp_state.is_fsdp(run_state):
+        model_sd = _model_state(fsdp_state.inner_models(run_state))
+        build = fsdp_state.optimizer_state_for_load if is_loading else fsdp_state.optimizer_state_for_save
+        return {**model_sd, "optimizer": build(run_state, model_sd)}
     model_sd = _model_state([chunk.module for chunk in run_state.model])
     state = dict(model_sd)
     # Megatron runs a full gc.collect() in here (0.2 s with a model's worth of Python objects,
@@ -75,6 +84,11 @@ def _sharded_state(run_state, is_loading: bool) -> dict:
     finally:
         gc.unfreeze()
     return state
+
+
+def _gathered_if_fsdp(run_state):
+    """Megatron-FSDP: the full (TP-local) parameters while the state dict is built and used."""
+    return fsdp_state.gathered(run_state) if fsdp_state.is_fsdp(run_state) else contextlib.nullcontext()
 
 
 def _rng_state() -> dict:
@@ -112,6 +126,15 @@ def _staging_fits(pool, state: dict, log) -> bool:
     return False
 
 
+def _gather_params(run_state) -> None:
+    """With optimizer.overlap_param_gather, an optimizer step updates only each rank's own
+    shard of the weights; the others arrive with the next forward's all-gather, after this
+    save. Gather them now, synchronously (Megatron-LM's force_param_sync before a save)."""
+    for chunk in run_state.model:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
     """Write model/optimizer shards and RNG into the temporary directory.
 
@@ -127,17 +150,21 @@ def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
             shutil.rmtree(tmp)  # a crashed earlier attempt at this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(run_state, is_loading=False)
-    state["scheduler"] = run_state.scheduler.state_dict()
-    if pool is not None and not _staging_fits(pool, state, log):
-        pool = None
-    if pool is None:
-        with async_writer.without_clones():
-            request = dist_checkpointing.save(state, str(tmp))
-    else:
-        with async_writer.staging(pool):
-            request = dist_checkpointing.save(state, str(tmp), sharded_strategy=pool.strategy,
-                                              async_sharded_save=True)
+    _gather_params(run_state)
+    # Under Megatron-FSDP the gathered parameters are released when save() returns: a sync
+    # save has written them, an async one has copied them into its staging memory.
+    with _gathered_if_fsdp(run_state):
+        state = _sharded_state(run_state, is_loading=False)
+        state["scheduler"] = run_state.scheduler.state_dict()
+        if pool is not None and not _staging_fits(pool, state, log):
+            pool = None
+        if pool is None:
+            with async_writer.without_clones():
+                request = dist_checkpointing.save(state, str(tmp))
+        else:
+            with async_writer.staging(pool):
+                request = dist_checkpointing.save(state, str(tmp), sharded_strategy=pool.strategy,
+                                                  async_sharded_save=True)
     rng_file(tmp, rank).parent.mkdir(exist_ok=True)
     torch.save(_rng_state(), rng_file(tmp, rank))
     return request
@@ -150,6 +177,7 @@ def training_meta(config: ExperimentConfig, step: int, world_size: int,
         step=step, consumed_samples=samples, consumed_tokens=samples * config.schedule.seq_length,
         world_size=world_size, layout=config.parallel.model_dump(),
         layout_name=config.parallel.describe(world_size), model=config.model.model_dump(),
+        precision=config.runtime.precision(),
         tracker_runs=tracker_runs or None,
     )
 
@@ -262,6 +290,23 @@ def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
     return meta
 
 
+def precision_change(path: Path, meta: CheckpointMeta, config: ExperimentConfig) -> Optional[str]:
+    """A warning if the checkpoint was trained with other precision settings (dtype, FP8 format,
+    recipe or its settings) than this run's; None if they agree or the checkpoint does not say.
+    Warned, not refused: changing the recipe mid-run is legitimate (e.g. BF16 warm-up, then
+    FP8), but the loss curve is then not the one an uninterrupted run would give."""
+    if meta.precision is None:
+        return None
+    now = config.runtime.precision()
+    keys = sorted(set(meta.precision) | set(now))
+    diffs = [f"{k} {meta.precision.get(k)!r} -> {now.get(k)!r}" for k in keys if meta.precision.get(k) != now.get(k)]
+    if not diffs:
+        return None
+    return (f"warning: checkpoint {path} was trained with other precision settings than this run "
+            f"({'; '.join(diffs)}); resuming from its weights and optimizer state anyway: the loss "
+            "may jump and will not match an uninterrupted run")
+
+
 def load_model_weights(path: Path, chunks: list) -> None:
     """Load only the model weights of a checkpoint into (unwrapped) chunks at this layout."""
     loaded = dist_checkpointing.load(_model_state(chunks), str(path))
@@ -273,8 +318,13 @@ def _load_model_only(path: Path, run_state, meta: CheckpointMeta, log) -> int:
     """Resume from a model-only checkpoint: weights (and the LR schedule if saved), a fresh
     optimizer. The optimizer copied its main params from the initial weights when it was
     built, so they are refreshed from the loaded ones."""
-    load_model_weights(path, [chunk.module for chunk in run_state.model])
-    run_state.optimizer.reload_model_params()
+    if fsdp_state.is_fsdp(run_state):
+        with fsdp_state.gathered(run_state) as models:
+            loaded = dist_checkpointing.load(_model_state(models), str(path))
+            fsdp_state.load_model(run_state, [loaded[model_state_key(i, len(models))] for i in range(len(models))])
+    else:
+        load_model_weights(path, [chunk.module for chunk in run_state.model])
+        run_state.optimizer.reload_model_params()
     common = dist_checkpointing.load_common_state_dict(str(path)) or {}
     if "scheduler" in common:
         run_state.scheduler.load_state_dict(common["scheduler"])
@@ -286,12 +336,22 @@ def _load_model_only(path: Path, run_state, meta: CheckpointMeta, log) -> int:
 def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) -> int:
     """Load model, optimizer, scheduler (and RNG if the layout is unchanged); returns the step."""
     meta = check_compatible(path, config)
+    warning = precision_change(path, meta, config)
+    if warning:
+        log(warning)
     if not meta.has_optimizer:
         return _load_model_only(path, run_state, meta, log)
-    loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
-    for i, chunk in enumerate(run_state.model):
-        chunk.module.load_state_dict(loaded[model_state_key(i, len(run_state.model))])
-    run_state.optimizer.load_state_dict(loaded["optimizer"])
+    chunks = len(run_state.model)
+    if fsdp_state.is_fsdp(run_state):
+        with fsdp_state.gathered(run_state):
+            loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
+            fsdp_state.load_model(run_state, [loaded[model_state_key(i, chunks)] for i in range(chunks)])
+            fsdp_state.load_optimizer(run_state, loaded["optimizer"])
+    else:
+        loaded = dist_checkpointing.load(_sharded_state(run_state, is_loading=True), str(path))
+        for i, chunk in enumerate(run_state.model):
+            chunk.module.load_state_dict(loaded[model_state_key(i, chunks)])
+        run_state.optimizer.load_state_dict(loaded["optimizer"])
     run_state.scheduler.load_state_dict(loaded["scheduler"])
     now = config.parallel.describe(world_size)
     rng = rng_file(path, dist.get_rank())

@@ -6,8 +6,9 @@ Under a `checkpoint.dir`:
         __R_S.distcp ...    dist_checkpointing (torch_dist) shards, .metadata, metadata.json,
         common.pt           and its non-sharded objects (the LR scheduler's numbers)
         rng/rank_<r>.pt     per-rank RNG states (training checkpoints only)
-        meta.json           CheckpointMeta: step, consumed samples/tokens, layout, model, and
-                            every other file's size and xxh3-64 checksum
+        meta.json           CheckpointMeta: step, consumed samples/tokens, layout, model,
+                            precision (dtype, FP8 recipe), and every other file's size and
+                            xxh3-64 checksum
         config.yaml         the resolved experiment config
         COMPLETE            written last (fsynced); a directory without it is not a checkpoint
     latest                  name of the newest checkpoint (replaced atomically, after COMPLETE)
@@ -74,6 +75,10 @@ class CheckpointMeta:
     # {relative path: {"bytes": n, "xxh3_64": hex}} of every file but meta.json and COMPLETE
     # (pretrain.checkpointing.integrity); None in checkpoints written before it existed.
     files: Optional[dict] = None
+    # The numerics the run trained with: models.runtime.RuntimeOptions.precision() (dtype, FP8
+    # format, recipe and its settings). None in checkpoints written before it existed, and
+    # in the tools' conversions. A resume with different settings warns.
+    precision: Optional[dict] = None
     # Experiment tracker runs of the training ({"mlflow": run id, "wandb": run id}), so a
     # resume continues them. Absent in older checkpoints (read as None).
     tracker_runs: Optional[dict] = None

@@ -17,7 +17,14 @@ start-up when upstream has changed the patched object:
   tensor after loading; and its fully-reshardable save state built without Megatron's
   triple copy (`optimizer_save`).
 - `checkpointing`: dist_checkpointing's save planner hands tensors through a hook (async
-  staging, no clones for sync saves); the write-results Manager started up front.
+  staging, no clones for sync saves); the write-results Manager started up front; safe
+  loading (no code runs from a checkpoint); shards hashed as they are written.
+- `fsdp`: Megatron-FSDP (ZeRO-2/3, HSDP) on CPU, and the 0.16.1 bugs its layouts avoid.
+
+Not here, because it is per model rather than per process: `models/rope.py` completes
+Megatron-Core's Llama-3.1 RoPE scaling (GPTModel passes only the factor) with the model's
+low/high frequency factors and original context, called by models.build for every built
+model (models/ cannot import pretrain), with its own guard.
 
 `python -m pretrain.megatron_fixes --digests` prints the digest of every guarded object
 (to re-pin a fix after reading a new upstream version).
@@ -57,9 +64,9 @@ def apply(*, cpu: bool | None = None) -> None:
     quiet_cpu_fallback_warnings()
     fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("checkpointing", checkpointing.apply)]
     if cpu:
-        from pretrain.megatron_fixes import cpu as cpu_fixes
+        from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 
-        fixes.insert(0, ("cpu", cpu_fixes.apply))
+        fixes[:0] = [("cpu", cpu_fixes.apply), ("fsdp", fsdp.apply)]
     for name, fix in fixes:
         if name not in _APPLIED:
             fix()

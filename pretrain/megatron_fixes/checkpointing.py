@@ -60,14 +60,17 @@ SOURCES = {
 
 _DCP = "torch.distributed.checkpoint"
 # Every global a torch_dist `.metadata` refers to (found by tracing the unpickling of
-# checkpoints of every layout this project writes, and of checkpoints_tools' output).
+# checkpoints of every layout this project writes, and of checkpoints_tools' output; a
+# test keeps the tools' output loadable: tests/checkpoints_tools).
 METADATA_GLOBALS = frozenset(
     [(f"{_DCP}.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")]
     + [(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")]
     + [(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-       ("collections", "OrderedDict")]
+       ("collections", "OrderedDict"),
+       # StorageMeta.checkpoint_id, when the writer was given a path (checkpoints_tools' is)
+       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")]
 )
 
 
@@ -175,6 +178,20 @@ def install_write_hashing() -> None:
     from pretrain.checkpointing.integrity import hashing_open
 
     filesystem_async.open = hashing_open
+
+
+@contextlib.contextmanager
+def unhashed_writes():
+    """Within: shards are written with the plain `open` (for the checkpoint benchmark's
+    with/without comparison; a checkpoint saved so has no checksums for its shards)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    hooked = filesystem_async.__dict__.pop("open", None)
+    try:
+        yield
+    finally:
+        if hooked is not None:
+            filesystem_async.open = hooked
 
 
 def apply() -> None:

@@ -74,6 +74,9 @@ class _NoOpStream:
     def wait_event(self, *args, **kwargs):
         pass
 
+    def wait(self, *args, **kwargs):
+        """As an Event (Megatron-FSDP waits on `record_event()`'s result): CPU work is done."""
+
     def record_event(self, *args, **kwargs):
         return _NoOpStream()
 

@@ -67,13 +67,13 @@ def sharded_param_state_for_save(opt, model_sharded_state_dict) -> dict | None:
                 offset = buffer.buckets[bucket_id].offset
                 values = {key: gathered[gbuf_idx, bucket_id][key][start - offset:end - offset]
                           for key in STATE_KEYS}
-            state[param_idx] = {key: _like(sharded, key, value.reshape(sharded.data.shape))
+            state[param_idx] = {key: like_model_tensor(sharded, key, value.reshape(sharded.data.shape))
                                 for key, value in values.items()}
             param_idx += 1
     return state
 
 
-def _like(sharded, key: str, data: torch.Tensor):
+def like_model_tensor(sharded, key: str, data: torch.Tensor):
     """The model parameter's ShardedTensor (or factory) for one optimizer state tensor:
     same key suffix, shape, sharding and replica id, as Megatron's format has it."""
     fields = dict(key=f"{PREFIX}.{key}.{sharded.key}", data=data, replica_id=sharded.replica_id)

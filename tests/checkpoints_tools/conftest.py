@@ -9,6 +9,16 @@ export / reshard / verify result is compared with.
           saving steps 2 and 3.
   moe:    the tiny-moe flavor (Mixtral-style, 4 experts, top-2), TP2 (+SP) x EP2 with expert
           TP 1, 2 steps.
+The vllm-* models are what vLLM is tested on (tests/checkpoints_tools/test_verify_vllm.py):
+30 steps on the demo corpus (real text; exports ship its SentencePiece tokenizer), so the
+top tokens are clear, and head_dim 32 (4 heads), which vLLM's CPU attention serves:
+  vllm-llama: GQA 4 heads / 2 query groups, TP2 x PP2.
+  vllm-rope:  Llama-3.1 RoPE scaling with non-default values (factor 4, low/high frequency
+              factors 2/8, original context 128: at 64 positions all three bands occur), TP2 x DP2.
+  vllm-tied:  tied embeddings (embedding and output on different stages), MQA, PP2 x DP2.
+  vllm-gpt:   the tiny-gpt architecture (LayerNorm, GELU, learned positions, biases, MHA,
+              tied) -> GPT2LMHeadModel, TP2 x PP2.
+  vllm-moe:   tiny-moe (Mixtral-style), TP2 (+SP) x EP2.
 """
 
 from __future__ import annotations
@@ -35,6 +45,25 @@ MODELS = {  # name -> (recipe, overrides)
     "moe": ("tiny-moe", ["schedule.train_steps=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
                          "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"]),
 }
+# head_dim 32 and a few dozen steps on real text (see the module docstring).
+VLLM = ["data.demo=true", "data.mock=false", "schedule.train_steps=30", "model.num_attention_heads=4"]
+ROPE = ["model.rope_scaling=true", "model.rope_scaling_factor=4.0", "model.rope_scaling_low_freq_factor=2.0",
+        "model.rope_scaling_high_freq_factor=8.0", "model.rope_scaling_original_max_position_embeddings=128"]
+# The tiny-gpt flavor's architecture through the tiny-llama recipe (as tests/pretrain does).
+GPT = ["model.normalization=LayerNorm", "model.activation=gelu", "model.position_embedding=learned_absolute",
+       "model.add_bias_linear=true", "model.add_qkv_bias=true", "model.tie_embeddings=true",
+       "model.num_query_groups=null", "model.ffn_hidden_size=512"]
+MODELS.update({
+    "vllm-llama": ("tiny-llama", TP2PP2 + VLLM),
+    "vllm-rope": ("tiny-llama", ["parallel.tensor_parallel=2"] + VLLM + ROPE),
+    "vllm-tied": ("tiny-llama", ["parallel.pipeline_parallel=2"] + VLLM
+                  + ["model.tie_embeddings=true", "model.num_query_groups=1"]),
+    "vllm-gpt": ("tiny-llama", TP2PP2 + VLLM + GPT),
+    "vllm-moe": ("tiny-moe", VLLM + ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+                                     "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"]),
+})
+LLAMA3_OTHER_VALUES = {"factor": 16.0, "low_freq_factor": 1.5, "high_freq_factor": 6.0,
+                       "original_max_position_embeddings": 96}
 SP_MODEL = Path(__file__).resolve().parents[2] / "data_pipeline" / "assets" / "demo_sp.model"
 
 
@@ -71,7 +100,7 @@ def _save_hf(path: Path, kind: str) -> Path:
     """A randomly initialised tiny HF model (GQA 4 heads / 2 KV heads), saved as safetensors."""
     import transformers
 
-    torch.manual_seed({"llama": 1, "llama-tied": 2, "mistral": 3, "mixtral": 4}[kind])
+    torch.manual_seed({"llama": 1, "llama-tied": 2, "mistral": 3, "mixtral": 4, "llama-rope": 5}[kind])
     common = dict(vocab_size=4000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                   rope_theta=50000.0, initializer_range=0.1)  # larger weights: logits react to RoPE
@@ -84,6 +113,10 @@ def _save_hf(path: Path, kind: str) -> Path:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}))
+    elif kind == "llama-rope":  # Llama-3.1 RoPE scaling with other values than 8 / 1 / 4 / 8192; head_dim 32
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+            **common, "num_attention_heads": 2, "num_key_value_heads": 2}, rope_scaling={
+            "rope_type": "llama3", **LLAMA3_OTHER_VALUES}))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.save_pretrained(path)
@@ -97,4 +130,4 @@ def _save_hf(path: Path, kind: str) -> Path:
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("hf")
-    return {kind: _save_hf(base / kind, kind) for kind in ("llama", "llama-tied", "mistral", "mixtral")}
+    return {kind: _save_hf(base / kind, kind) for kind in ("llama", "llama-tied", "mistral", "mixtral", "llama-rope")}

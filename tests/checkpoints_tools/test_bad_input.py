@@ -112,11 +112,12 @@ def test_pickles_refused_by_the_cli(llama_dir, tmp_path, capsys):
 
 def test_damaged_or_incomplete_checkpoints(trained, tmp_path, capsys):
     ckpt = shutil.copytree(trained["untied"].latest, tmp_path / "ckpt")
-    next(ckpt.glob("__1_*.distcp")).unlink()
+    shard = next(ckpt.glob("__1_*.distcp"))
+    shard.unlink()
     code, err = run_main(reshard, [ckpt, tmp_path / "out"], capsys)
-    assert code == 2 and "missing shard file" in err
+    assert code == 2 and f"is damaged: {shard.name} is missing" in err
     code, err = run_main(export_hf, [ckpt, tmp_path / "out", "--no-tokenizer"], capsys)
-    assert code == 2 and "missing shard file" in err
+    assert code == 2 and f"is damaged: {shard.name} is missing" in err
     (ckpt / "COMPLETE").unlink()
     code, err = run_main(export_hf, [ckpt, tmp_path / "out"], capsys)
     assert code == 2 and "incomplete" in err
@@ -131,7 +132,8 @@ def test_export_refuses_what_hf_cannot_express(trained, tmp_path, capsys):
     meta["model"].update(activation="gelu", normalization="LayerNorm")
     (ckpt / "meta.json").write_text(json.dumps(meta))
     code, err = run_main(export_hf, [ckpt, tmp_path / "out", "--no-tokenizer"], capsys)
-    assert code == 2 and "no Llama/Mistral/Mixtral equivalent" in err and "activation=gelu" in err
+    assert code == 2 and "no Llama/Mistral/Mixtral or GPT-2 equivalent" in err and "activation=gelu" in err
+    assert "position_embedding=rope (GPT-2 learns absolute positions)" in err
     code, err = run_main(export_hf, [trained["untied"].latest, tmp_path / "out", "--architecture",
                                      "MixtralForCausalLM", "--no-tokenizer"], capsys)
     assert code == 2 and "cannot hold a dense model" in err

@@ -149,3 +149,76 @@ def test_verify_passes_export_and_catches_swapped_kv(trained, tmp_path):
     assert code == 1, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
     assert not report["passed"] and report["max_abs_diff"] > 1e-2
+
+
+def test_gpt_exports_as_gpt2_and_logits_match(trained, tmp_path):
+    """LayerNorm + GELU + learned positions + biases (tiny-gpt) -> GPT2LMHeadModel, trained at TP2 x PP2."""
+    run = trained["vllm-gpt"]
+    out = tmp_path / "hf"
+    summary = export_hf(run.latest, out)  # the demo corpus' tokenizer, from the checkpoint's config
+    config = json.loads((out / "config.json").read_text())
+    assert summary["architecture"] == "GPT2LMHeadModel" and config["model_type"] == "gpt2"
+    assert (config["n_embd"], config["n_head"], config["n_inner"], config["n_positions"]) == (128, 4, 512, 256)
+    assert config["activation_function"] == "gelu" and config["tie_word_embeddings"] is True
+    tensors = read_export(out)
+    assert tensors["transformer.wte.weight"].shape == (4000, 128) and "lm_head.weight" not in tensors
+    assert tensors["transformer.wpe.weight"].shape == (256, 128)
+    assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (128, 3 * 128)  # Conv1D: [in, q | k | v]
+    assert tensors["transformer.h.3.mlp.c_fc.bias"].shape == (512,) and tensors["transformer.ln_f.bias"].shape == (128,)
+    diff = (hf_logits(out, 4000) - run.logits[..., :4000]).abs().max().item()
+    assert diff <= 1e-4, f"GPT-2 export: max |logit difference| {diff}"
+
+
+def test_llama3_rope_values_reach_config_and_logits(trained, tmp_path):
+    """Non-default low/high frequency factors and original context: trained with them at TP2,
+    written to both RoPE spellings, and transformers computes the trained model's logits."""
+    run = trained["vllm-rope"]
+    out = tmp_path / "hf"
+    export_hf(run.latest, out)
+    config = json.loads((out / "config.json").read_text())
+    values = {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 128}
+    assert config["rope_scaling"] == {"rope_type": "llama3", **values}
+    assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 10000.0, **values}
+    diff = (hf_logits(out, 4000) - run.logits[..., :4000]).abs().max().item()
+    assert diff <= 1e-4, f"RoPE-scaled export: max |logit difference| {diff}"
+    # With Llama-3.1's 1 / 4 / 8192 (all that Megatron-Core 0.16.1's GPTModel applies without
+    # models/rope.py) the logits are far off: the values matter at these positions.
+    defaults = {**values, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config.update(rope_scaling={"rope_type": "llama3", **defaults},
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **defaults})
+    (out / "config.json").write_text(json.dumps(config))
+    wrong = (hf_logits(out, 4000) - run.logits[..., :4000]).abs().max().item()
+    assert wrong > 1e-2, f"default RoPE values changed the logits by only {wrong}"
+
+
+def test_export_warns_when_vllm_cpu_cannot_serve_the_head_size(trained, tmp_path, capsys):
+    from checkpoints_tools import export_hf as cli
+    from checkpoints_tools.export_hf import ServingWarning
+
+    with pytest.warns(ServingWarning, match=r"head_dim 16 \(hidden_size 128 / num_attention_heads 8\) .*vLLM's CPU "
+                                            r"attention .* 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512"):
+        export_hf(trained["untied"].latest, tmp_path / "a", with_tokenizer=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ServingWarning)  # head_dim 32: no warning
+        export_hf(trained["vllm-llama"].latest, tmp_path / "b", with_tokenizer=False)
+    code = cli.main([str(trained["untied"].latest), str(tmp_path / "c"), "--no-tokenizer", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0 and err.startswith("warning: head_dim 16") and (tmp_path / "c" / "config.json").is_file()
+
+
+def test_sentencepiece_export_ships_an_equivalent_tokenizer_json(trained, tmp_path):
+    """For model_type mixtral/mistral, transformers (and so vLLM) ignores tokenizer_config's
+    LlamaTokenizer and converts tokenizer.model generically, losing the first word's "▁"
+    ("The" -> "T" "he"); vLLM then served our Mixtral exports other prompt tokens than
+    transformers. The export ships tokenizer.json, which every loader reads the same."""
+    import sentencepiece
+    from tokenizers import Tokenizer
+
+    out = tmp_path / "hf"
+    export_hf(trained["moe"].latest, out, tokenizer=SP_MODEL)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(SP_MODEL))
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in ["The quick brown fox jumps over the lazy dog because", "And the LORD spake unto Moses, saying,"]:
+        assert tokenizer.encode(text).ids == [sp.bos_id()] + sp.encode(text)

@@ -80,3 +80,33 @@ def test_pickled_weights_need_trust(hf_models, tmp_path):
     import_hf(hf_models["llama"], tmp_path / "safe")
     for a, b in zip(sorted((tmp_path / "trusted").glob("*.distcp")), sorted((tmp_path / "safe").glob("*.distcp"))):
         assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.distributed
+def test_llama3_rope_scaling_with_any_values(hf_models, tmp_path):
+    """An HF Llama with low/high frequency factors and original context other than Llama-3.1's
+    imports (it was refused before), our model at TP2 computes transformers' logits, and the
+    export carries the values back bit-identically (vLLM on it: test_verify_vllm)."""
+    from tests.checkpoints_tools.conftest import LLAMA3_OTHER_VALUES
+    from tests.checkpoints_tools.workers import first, tokens
+
+    import transformers
+
+    src = hf_models["llama-rope"]
+    import_hf(src, tmp_path / "ckpt", layout=ParallelLayout(tensor_parallel=2))
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())["model"]
+    assert (meta["rope_scaling"], meta["rope_scaling_factor"], meta["rope_scaling_low_freq_factor"],
+            meta["rope_scaling_high_freq_factor"], meta["rope_scaling_original_max_position_embeddings"]) == (
+        True, *LLAMA3_OTHER_VALUES.values())
+    ours = torch.tensor(first(run_ranks(2, "tests.checkpoints_tools.workers:checkpoint_logits",
+                                        checkpoint=str(tmp_path / "ckpt"), layout={"tensor_parallel": 2})))
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        theirs = hf(input_ids=tokens(4000)).logits
+    diff = (ours[..., :4000] - theirs).abs().max().item()
+    assert diff <= 1e-4, f"our TP2 model vs transformers: max |logit difference| {diff}"
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "llama3", **LLAMA3_OTHER_VALUES}
+    before, after = tensors_of(src), tensors_of(tmp_path / "out")
+    assert sorted(before) == sorted(after) and all(torch.equal(after[n], t) for n, t in before.items())

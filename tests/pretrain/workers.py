@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 
-def train(recipe: str, overrides: list[str], report_norms: bool = False) -> dict:
+def train(recipe: str, overrides: list[str], report_norms: bool = False,
+          double_grad_at_step: int | None = None) -> dict:
     """Run setup + train on this rank; return losses (logging rank) and local parameter count.
 
     report_norms: also return this rank's final norm weights ({global-ish name: values}).
+    double_grad_at_step: the optimizer sees twice the gradient at that step (how far a
+    gradient-scale bug would move the run: parity tolerances must catch it).
     """
     from pretrain.cli import resolve_config
     from pretrain.runtime import shutdown
@@ -14,6 +17,8 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False) -> dict
 
     config = resolve_config(recipe, None, overrides)
     run = setup(config)
+    if double_grad_at_step is not None:
+        _double_gradient_at(run, double_grad_at_step)
     try:
         history = train_loop(run, run.start_step)
         params = sum(p.numel() for chunk in run.state.model for p in chunk.module.parameters())
@@ -37,6 +42,39 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False) -> dict
                 for name, p in chunk.module.named_parameters() if "norm" in name
             }
         return result
+    finally:
+        run.writer.close()
+        shutdown()
+
+
+def _double_gradient_at(run, at_step: int) -> None:
+    optimizer_step, calls = run.state.optimizer.step, [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] == at_step - run.start_step:
+            for chunk in run.state.model:
+                chunk.scale_gradients(2.0)
+        return optimizer_step()
+
+    run.state.optimizer.step = step
+
+
+def load_and_save(recipe: str, overrides: list[str], out_dir: str) -> dict:
+    """Set up (resuming from checkpoint.resume) and save at once, without a step: what a
+    layout loads is what it writes back."""
+    from pretrain.checkpointing.checkpointer import Checkpointer
+    from pretrain.cli import resolve_config
+    from pretrain.loop import setup
+    from pretrain.runtime import shutdown
+
+    config = resolve_config(recipe, None, overrides + [f"checkpoint.dir={out_dir}"])
+    run = setup(config)
+    try:
+        saver = Checkpointer(config, run.world_size, print)
+        saver.save_now(run.start_step, run.state)
+        saver.close()
+        return {"step": run.start_step}
     finally:
         run.writer.close()
         shutdown()
