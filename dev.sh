@@ -19,7 +19,8 @@ setup() {
     # satisfied by it, so pip never reaches for a multi-GB CUDA build.
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q torch==2.13.0
-    "$py" -m pip install -q -e ".[test]"
+    # The tracker extras too: the tests read MLflow and W&B records back with the real libraries.
+    "$py" -m pip install -q -e ".[test,mlflow,wandb]"
     # Test-only: real pretrained tokenizer files (Mistral 32k SentencePiece, Llama-3 128k
     # tiktoken). --no-deps: mistral-common pins numpy<2.4, and only its data files are read.
     "$py" -m pip install -q --no-deps mistral-common==1.13.1 llama-models==0.3.0

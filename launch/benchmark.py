@@ -18,12 +18,19 @@
 Prints a table and one JSON line: step time, tokens/s (global and per device), model
 TFLOP/s per device, MFU (GPU only) and the fraction of step time spent outside
 forward/backward + optimizer (data fetch, logging, loss broadcast).
+
+    # --overhead: step time with the hang watchdog (+ flight recorder), the straggler
+    # report (every 10 steps), MLflow (SQLite store) and W&B (offline) on, against all of
+    # them off; off/on runs alternate so a shared machine's load drifts into both alike:
+    python -m launch.benchmark --recipe tiny-llama --nproc 2 --steps 40 --warmup 5 --repeats 6 \
+        --overhead data.demo=false data.mock=true runtime.spec=portable
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,6 +89,96 @@ def summarise(records: list[dict], warmup: int) -> dict:
     return out
 
 
+OBSERVE_OFF = ["watchdog.enabled=false", "logging.straggler_interval=0", "tracking.mlflow=false",
+               "tracking.wandb=false", "profile.start_step=null"]
+
+
+def observe_on(tmp: Path) -> list[str]:
+    return ["watchdog.enabled=true", "logging.straggler_interval=10", "tracking.mlflow=true",
+            f"tracking.mlflow_tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.wandb=true",
+            "tracking.wandb_mode=offline", "profile.start_step=null"]
+
+
+def hook_costs(repeats: int = 5, calls: int = 200) -> dict:
+    """What the per-step hooks cost in this process, min over repeats (load on a shared
+    machine only lengthens a trial): the watchdog's marks, the Megatron timers of one
+    micro-batch (forward + backward), and one record logged to MLflow (SQLite) and W&B
+    (offline) including the time to write it out (the trackers are closed inside the trial)."""
+    import time as clock
+
+    from pretrain.cli import resolve_config
+    from pretrain.config import WatchdogConfig
+    from pretrain.observe.timers import StepTimers
+    from pretrain.observe.trackers import open_trackers
+    from pretrain.observe.watchdog import Watchdog
+
+    def best(trial) -> float:
+        return min(trial() for _ in range(repeats)) / calls
+
+    def watchdog_trial() -> float:
+        dog = Watchdog(WatchdogConfig(), tempfile.gettempdir(), 0)
+        start = clock.perf_counter()
+        for step in range(calls):
+            dog.begin_step(step)
+            dog.end_step(0.1)
+        return clock.perf_counter() - start
+
+    def timers_trial() -> float:
+        timers = StepTimers(measure_compute=True)
+        start = clock.perf_counter()
+        for _ in range(calls):
+            for name in ("forward-compute", "backward-compute"):
+                timers(name, log_level=2).start()
+                timers(name).stop()
+            timers.take_compute_s()
+        return clock.perf_counter() - start
+
+    record = {"step": 0, "loss": 2.5, "lr": 3e-4, "grad_norm": 1.0, "step_time_s": 0.25, "tokens_per_s": 1e4,
+              "tokens_per_s_per_device": 5e3, "tflops_per_device": 1.0, "peak_mem_gb": 1.0,
+              "overhead_frac": 0.05, "skipped": False, "skipped_steps": 0}
+
+    def trackers_trial() -> tuple[float, float]:
+        """(seconds in `log` on the training thread, seconds to close: MLflow's queue drained,
+        W&B's run finished) for `calls` records."""
+        with tempfile.TemporaryDirectory(prefix="bench-trackers-") as tmp:
+            config = resolve_config("tiny-llama", None, [
+                f"logging.run_dir={tmp}", "tracking.mlflow=true", f"tracking.mlflow_tracking_uri=sqlite:///{tmp}/m.db",
+                "tracking.wandb=true", "tracking.wandb_mode=offline"])
+            trackers = open_trackers(config, True, None, lambda m: None)
+            start = clock.perf_counter()
+            for step in range(1, calls + 1):
+                trackers.log(dict(record, step=step))
+            logged = clock.perf_counter()
+            trackers.close()
+            return logged - start, clock.perf_counter() - logged
+
+    tracker_trials = [trackers_trial() for _ in range(2)]
+    return {"watchdog_marks_s": best(watchdog_trial), "megatron_timers_per_microbatch_s": best(timers_trial),
+            "tracker_log_call_s": min(t[0] for t in tracker_trials) / calls,
+            "trackers_close_once_s": min(t[1] for t in tracker_trials)}
+
+
+def overhead(args: argparse.Namespace) -> dict:
+    """Median step time with everything but the profiler on vs off, alternating off/on runs."""
+    per_mode: dict[str, list[float]] = {"off": [], "on": []}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        for i in range(args.repeats):
+            for mode in ("off", "on"):
+                extra = OBSERVE_OFF if mode == "off" else observe_on(Path(tmp))
+                records = run_once(args.recipe, args.nproc, args.steps, list(args.overrides) + extra,
+                                   Path(tmp) / f"{mode}{i}")
+                per_mode[mode].append(summarise(records, args.warmup)["step_time_s"])
+                print(f"repeat {i + 1}/{args.repeats} {mode:>3}: median step {1000 * per_mode[mode][-1]:.2f} ms",
+                      flush=True)
+    off, on = statistics.median(per_mode["off"]), statistics.median(per_mode["on"])
+    paired = [b / a for a, b in zip(per_mode["off"], per_mode["on"])]
+    return dict(recipe=args.recipe, nproc=args.nproc, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                overrides=args.overrides, off_step_s=off, on_step_s=on, on_over_off=on / off,
+                median_paired_ratio=statistics.median(paired), per_repeat_off=per_mode["off"],
+                per_repeat_on=per_mode["on"], loadavg_before=load_before, loadavg_after=os.getloadavg())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,10 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--overhead", action="store_true",
+                        help="compare watchdog + straggler report + MLflow + W&B on vs all off")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.repeats < 1:
+        parser.error(f"--repeats ({args.repeats}) must be at least 1")
+    if args.overhead:
+        result = overhead(args)
+        result["hook_costs"] = hook_costs()
+        print("per-step hook costs in-process (min of trials): " + ", ".join(
+            f"{k} {1e6 * v:.1f} us" if v < 0.1 else f"{k} {v:.2f} s" for k, v in result["hook_costs"].items()))
+        print(f"median step time: off {1000 * result['off_step_s']:.2f} ms, on {1000 * result['on_step_s']:.2f} ms, "
+              f"on/off {result['on_over_off']:.4f} (median of paired ratios {result['median_paired_ratio']:.4f}); "
+              f"load average {result['loadavg_before'][0]:.1f} before, {result['loadavg_after'][0]:.1f} after")
+        print(json.dumps(result))
+        return 0
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for i in range(args.repeats):

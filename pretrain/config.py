@@ -31,6 +31,16 @@ class RuntimeConfig(RuntimeOptions):
 
     # Fault injection for testing checkpoint.on_nan: rank 0 poisons its gradients at this step.
     inject_nan_step: Optional[int] = Field(default=None, gt=0)
+    # Fault injection for testing the hang watchdog: rank `inject_hang_rank` sleeps
+    # `inject_hang_seconds` in the middle of this step (after forward/backward, before the
+    # step's loss all-reduce). Only in a run that did not resume, so a requeued job gets past it.
+    inject_hang_step: Optional[int] = Field(default=None, gt=0)
+    inject_hang_rank: int = Field(default=0, ge=0)
+    inject_hang_seconds: float = Field(default=3600.0, gt=0)
+    # Fault injection for testing the straggler report: this rank sleeps inject_slow_ms in
+    # every micro-batch's forward.
+    inject_slow_rank: Optional[int] = Field(default=None, ge=0)
+    inject_slow_ms: float = Field(default=50.0, ge=0)
 
 
 class OptimizerConfig(_Strict):
@@ -105,6 +115,63 @@ class LoggingConfig(_Strict):
     tensorboard: bool = True
     # Peak FLOP/s table key for MFU; "auto" picks from the GPU name (none on CPU).
     device_peak: str = "auto"
+    # Straggler report every N steps (0 = off): each rank's forward/backward compute time per
+    # step, gathered once per report; the slowest rank vs the median of its pipeline stage.
+    straggler_interval: int = Field(default=100, ge=0)
+    # A rank this many times slower than its stage's median is named in a warning.
+    straggler_warn_ratio: float = Field(default=1.2, gt=1)
+
+
+class ProfileConfig(_Strict):
+    """torch.profiler (or nsys) over a window of steps on chosen ranks; off unless start_step is set."""
+
+    start_step: Optional[int] = Field(default=None, gt=0)  # first profiled step; None = off
+    num_steps: int = Field(default=2, gt=0)
+    ranks: Union[Literal["all"], list[int]] = [0]
+    dir: Optional[str] = None  # default <logging.run_dir>/profile; one rank_<r>/ per rank
+    # "torch": torch.profiler traces (trace.json.gz) + top-ops table. "nsys" (CUDA): only
+    # cudaProfilerStart/Stop around the window and NVTX ranges, for `nsys --capture-range=cudaProfilerApi`.
+    mode: Literal["torch", "nsys"] = "torch"
+    record_shapes: bool = True
+    profile_memory: bool = True
+    with_stack: bool = False
+    top_ops: int = Field(default=15, gt=0)  # rows of the top-operators table
+    # CUDA: record the allocator's history during this step and dump memory_snapshot.pickle
+    # (open it at pytorch.org/memory_viz).
+    memory_snapshot_step: Optional[int] = Field(default=None, gt=0)
+
+
+class TrackingConfig(_Strict):
+    """Experiment trackers, logged from the logging rank only (optional extras: mcore-stack[mlflow], [wandb])."""
+
+    mlflow: bool = False
+    wandb: bool = False
+    # MLflow experiment / W&B project; default: the config's name.
+    project: Optional[str] = None
+    run_name: Optional[str] = None
+    # Default: MLflow's own (the MLFLOW_TRACKING_URI environment variable, else ./mlruns).
+    mlflow_tracking_uri: Optional[str] = None
+    wandb_entity: Optional[str] = None
+    # "offline" writes the run under <wandb_dir>/wandb/ for a later `wandb sync`.
+    wandb_mode: Literal["online", "offline"] = "online"
+    wandb_dir: Optional[str] = None  # default: logging.run_dir
+
+
+class WatchdogConfig(_Strict):
+    """Per-rank hang watchdog: a step (not evaluation or a checkpoint save) that makes no
+    progress within the timeout dumps every thread's stack to <run_dir>/hang/ and exits 75."""
+
+    enabled: bool = True
+    # Fixed timeout in seconds after the first step; None derives it: max(min_timeout_s,
+    # step_time_factor x the median of the recent step times), startup_timeout_s until 5 steps
+    # are timed. The run's first step always has startup_timeout_s (one-time start-up costs).
+    timeout_s: Optional[float] = Field(default=None, gt=0)
+    min_timeout_s: float = Field(default=300.0, gt=0)
+    step_time_factor: float = Field(default=10.0, gt=1)
+    startup_timeout_s: float = Field(default=1800.0, gt=0)
+    # Collectives torch's flight recorder keeps per rank (TORCH_FR_BUFFER_SIZE, unless set in
+    # the environment); the report lists the last ones. 0 = off.
+    flight_recorder_entries: int = Field(default=256, ge=0)
 
 
 class ExperimentConfig(_Strict):
@@ -117,6 +184,9 @@ class ExperimentConfig(_Strict):
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    profile: ProfileConfig = ProfileConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
 
 
 class ConfigError(ValueError):
@@ -249,6 +319,10 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
         raise ConfigError("set exactly one data source: data.blend=[[w, prefix], ...], data.demo=true or data.mock=true")
     if data.blend and not data.tokenizer:
         raise ConfigError("data.blend needs data.tokenizer (the tokenizer the data was preprocessed with)")
+    ranks = config.profile.ranks
+    if ranks != "all" and any(r >= world_size for r in ranks):
+        raise ConfigError(f"profile.ranks={ranks} names ranks outside the world of {world_size} "
+                          f"(ranks 0..{world_size - 1}); or use profile.ranks=all")
 
 
 def data_parallel_sharding(config: ExperimentConfig) -> str:
@@ -338,7 +412,27 @@ def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.Mac
                             "has no GPU and the state is in host memory already: remove it")
     if problems:
         raise ConfigError("; ".join(problems))
+    _check_observability(config, facts.has_gpu)
     return spec
+
+
+def _check_observability(config: ExperimentConfig, has_gpu: bool) -> None:
+    """Tracker extras installed and CUDA-only profiling on CUDA, at start-up (not at the
+    first log call, hours later)."""
+    import importlib.util
+
+    for key, module in (("mlflow", "mlflow"), ("wandb", "wandb")):
+        if getattr(config.tracking, key) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"tracking.{key}=true needs the {module} package, which is not installed: "
+                              f"pip install 'mcore-stack[{key}]' (or set tracking.{key}=false)")
+    profile = config.profile
+    if not has_gpu:
+        if profile.start_step is not None and profile.mode == "nsys":
+            raise ConfigError("profile.mode=nsys needs CUDA (it brackets the window with cudaProfilerStart/"
+                              "Stop for nsys); on CPU use profile.mode=torch")
+        if profile.memory_snapshot_step is not None:
+            raise ConfigError("profile.memory_snapshot_step needs CUDA (it records the CUDA caching "
+                              "allocator's history); unset it on CPU")
 
 
 def num_microbatches(config: ExperimentConfig, world_size: int) -> int:

@@ -1,8 +1,9 @@
 """Set up a run and train: the top-level flow of `python -m pretrain`.
 
 setup: validate (no process group yet) -> runtime start-up -> build model chunks ->
-wrap for training -> datasets. Then the loop: step, log, evaluate, checkpoint, in that
-order, until train_steps (or a stop request: signal, time limit).
+wrap for training -> datasets -> trackers, profiler, watchdog. Then the loop: step, log,
+evaluate, checkpoint, in that order, until train_steps (or a stop request: signal, time
+limit). The hang watchdog times the step and pauses for evaluation and checkpoint saves.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,9 +33,15 @@ from pretrain.metrics import (
     info,
     peak_memory_gb,
 )
-from pretrain.runtime import init_distributed, is_logging_rank, world_size_from_env
+from pretrain.runtime import collective_device, init_distributed, is_logging_rank, read_dist_env, world_size_from_env
 from pretrain.checkpointing import checkpointer as checkpoint
+from pretrain.checkpointing.format import CheckpointMeta
 from pretrain.checkpointing.resume import plan_resume, settle
+from pretrain.observe import profiler as step_profiler
+from pretrain.observe.stragglers import StragglerReport, StragglerStats
+from pretrain.observe.timers import StepTimers, install as install_timers
+from pretrain.observe.trackers import open_trackers
+from pretrain.observe.watchdog import Watchdog, enable_flight_recorder
 from pretrain.signals import StopRequest
 from pretrain.step import evaluate, train_step
 from pretrain.wrap import TrainingState, wrap_for_training
@@ -50,7 +58,11 @@ class Run:
     throughput: Throughput
     log_rank: bool
     stop: StopRequest
+    watchdog: Watchdog
     start_step: int = 0
+    profiler: Optional[step_profiler.StepProfiler] = None
+    stragglers: Optional[StragglerReport] = None
+    tracker_runs: Optional[dict] = None  # stored in every checkpoint, so a resume continues them
 
 
 def setup(config: ExperimentConfig) -> Run:
@@ -60,13 +72,16 @@ def setup(config: ExperimentConfig) -> Run:
     world_size = world_size_from_env()
     validate_for_world(config, world_size)  # before any process group exists
     spec = validate_for_machine(config)  # the spec `auto` resolves to here can run this config
+    step_profiler.check_writable(config, read_dist_env().rank)  # before training starts
     resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
     if resume.first is not None:
         checkpoint.check_compatible(resume.first, config)
+    enable_flight_recorder(config.watchdog)  # read when the process groups are created
     env = init_distributed(config.parallel, seed=config.runtime.seed)
     resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
     if resume_from is not None and resume_from != resume.first:
         checkpoint.check_compatible(resume_from, config)
+    resume_meta = CheckpointMeta.read(resume_from) if resume_from is not None else None
     log_rank = is_logging_rank()
     run_dir = Path(config.logging.run_dir)
     if env.rank == 0:
@@ -80,18 +95,51 @@ def setup(config: ExperimentConfig) -> Run:
     start_step = 0
     if resume_from is not None:
         start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0))
+        if config.runtime.inject_hang_step is not None:  # test-only: a requeued job gets past it
+            config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"inject_hang_step": None})})
     datasets = build_datasets(config, world_size)
     peak = detect_device_peak(config.logging.device_peak, config.runtime.dtype, bool(config.runtime.fp8))
     sched = config.schedule
+    tracking = config.tracking.mlflow or config.tracking.wandb
+    trackers = open_trackers(config, log_rank and tracking, resume_meta and resume_meta.tracker_runs, info)
+    timers = _timers(config, env.rank)
     return Run(
         config=config, world_size=world_size, state=state, datasets=datasets,
         num_microbatches=num_microbatches(config, world_size),
-        writer=MetricsWriter(config.logging.run_dir, log_rank, config.logging.tensorboard),
+        writer=MetricsWriter(config.logging.run_dir, log_rank, config.logging.tensorboard, trackers),
         throughput=Throughput(config.model, sched.seq_length, sched.global_batch_size, world_size, peak),
         log_rank=log_rank,
         stop=stop,
+        watchdog=Watchdog(config.watchdog, config.logging.run_dir, env.rank),
         start_step=start_step,
+        profiler=step_profiler.build(config, env.rank, timers, start_step, info),
+        stragglers=(StragglerReport(config.logging.straggler_interval, timers, _pipeline_rank(), start_step)
+                    if config.logging.straggler_interval else None),
+        tracker_runs=_share_tracker_runs(trackers.run_ids(), log_rank) if tracking else None,
     )
+
+
+def _timers(config: ExperimentConfig, rank: int) -> Optional[StepTimers]:
+    """Megatron-Core's timer hook, only where the straggler report or a profiler needs it."""
+    stragglers = config.logging.straggler_interval > 0
+    if not (stragglers or step_profiler.profiles_rank(config.profile, rank)):
+        return None
+    return StepTimers(measure_compute=stragglers)
+
+
+def _pipeline_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def _share_tracker_runs(ids: dict, log_rank: bool) -> dict:
+    """Every rank learns the logging rank's tracker run ids (rank 0 writes checkpoint metadata)."""
+    src = torch.tensor([dist.get_rank() if log_rank else -1], device=collective_device())
+    dist.all_reduce(src, op=dist.ReduceOp.MAX)
+    box = [ids]
+    dist.broadcast_object_list(box, src=int(src.item()))
+    return box[0]
 
 
 def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
@@ -102,30 +150,58 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
     config, sched = run.config, run.config.schedule
     gbs = sched.global_batch_size
     train_iters = chunk_iterators(run.datasets.train, config, start_step * gbs, sched.train_steps * gbs)
-    stop = run.stop
-    saver = checkpoint.Checkpointer(config, run.world_size, lambda m: info(m, dist.get_rank() == 0))
+    stop, watchdog, profiler = run.stop, run.watchdog, run.profiler
+    saver = checkpoint.Checkpointer(config, run.world_size, lambda m: info(m, dist.get_rank() == 0),
+                                    tracker_runs=run.tracker_runs)
+    install_timers(run.state, profiler.timers if profiler else run.stragglers and run.stragglers.timers)
     history: list[StepMetrics] = []
     skipped = 0
+    watchdog.start()
     last = time.perf_counter()
-    for step in range(start_step + 1, sched.train_steps + 1):
-        result = train_step(run.state, train_iters, config, run.num_microbatches, step)
-        if result.skipped:
-            skipped += 1
-            _report_skip(run, step, result, skipped)
-        now = time.perf_counter()
-        step_time, last = now - last, now
-        metrics = _step_metrics(run, step, result, step_time, skipped)
-        history.append(metrics)
-        if step % config.logging.log_interval == 0 or step == sched.train_steps or metrics.skipped:
-            run.writer.log(metrics, sched.train_steps)
-        if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
-            _run_eval(run, step)
-        reason = stop.reason()
-        saver.save(step, run.state, last_step=step == sched.train_steps, stop=reason is not None)
-        if reason is not None:
-            info(f"stopping after step {step}: {reason}", dist.get_rank() == 0)
-            break
-        last = time.perf_counter()  # evaluation and checkpoint time are not step time
+    try:
+        for step in range(start_step + 1, sched.train_steps + 1):
+            watchdog.begin_step(step)
+            if profiler:
+                profiler.before_step(step)
+            result = train_step(run.state, train_iters, config, run.num_microbatches, step)
+            if result.skipped:
+                skipped += 1
+                _report_skip(run, step, result, skipped)
+            now = time.perf_counter()
+            step_time, last = now - last, now
+            watchdog.end_step(step_time)
+            excluded = time.perf_counter()  # profiler trace writing, evaluation and checkpoints
+            if profiler:
+                with watchdog.paused("profiler (writing the trace)"):
+                    profiler.after_step(step)
+            excluded = time.perf_counter() - excluded
+            stragglers = run.stragglers.after_step(step) if run.stragglers else None
+            metrics = _step_metrics(run, step, result, step_time, skipped, stragglers)
+            history.append(metrics)
+            if (step % config.logging.log_interval == 0 or step == sched.train_steps or metrics.skipped
+                    or stragglers):
+                run.writer.log(metrics, sched.train_steps)
+            if stragglers and stragglers.warning(config.logging.straggler_warn_ratio):
+                info(stragglers.warning(config.logging.straggler_warn_ratio), run.log_rank)
+            paused = time.perf_counter()
+            if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
+                with watchdog.paused("evaluation"):
+                    _run_eval(run, step)
+            excluded += time.perf_counter() - paused
+            reason = stop.reason()
+            paused = time.perf_counter()
+            with watchdog.paused("checkpoint save"):
+                saver.save(step, run.state, last_step=step == sched.train_steps, stop=reason is not None)
+            if reason is not None:
+                info(f"stopping after step {step}: {reason}", dist.get_rank() == 0)
+                break
+            # Step time runs from one step's end to the next's: it includes logging, trackers,
+            # the straggler report and the stop check, not evaluation, checkpoints or traces.
+            last += excluded + time.perf_counter() - paused
+    finally:
+        watchdog.stop()
+        if profiler:
+            profiler.close()
     saver.close()  # exit waits for an async save to be complete
     return history
 
@@ -147,7 +223,8 @@ def _report_skip(run: Run, step: int, result, skipped: int) -> None:
              f"{result.loss_scale:g}; {skipped} step(s) skipped so far", run.log_rank)
 
 
-def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: int) -> StepMetrics:
+def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: int,
+                  stragglers: Optional[StragglerStats]) -> StepMetrics:
     tps, tps_dev, tflops, mfu = run.throughput.compute(step_time)
     return StepMetrics(
         step=step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm, step_time_s=step_time,
@@ -155,6 +232,7 @@ def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: 
         peak_mem_gb=peak_memory_gb(), overhead_frac=max(0.0, 1.0 - result.compute_time_s / step_time),
         skipped=result.skipped, skipped_steps=skipped_total, loss_scale=result.loss_scale,
         moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss,
+        **(stragglers.metrics() if stragglers else {}),
     )
 
 
@@ -179,11 +257,13 @@ def main_train(config: ExperimentConfig) -> int:
         print(f"error: {exc}", flush=True)
         shutdown()  # the process group, if the error came after it (a damaged checkpoint)
         return 2
+    failed = True
     try:
         history = train(run, run.start_step)
+        failed = False
         if run.log_rank and history:
             info(f"[{config.name}] done: {len(history)} steps, final loss {history[-1].loss:.4f}")
     finally:
-        run.writer.close()
+        run.writer.close(failed)  # marks the tracker runs finished (or failed)
         shutdown()
     return 0

@@ -1,4 +1,7 @@
-"""Step metrics: one readable console line, `metrics.jsonl`, TensorBoard.
+"""Step metrics: one readable console line, `metrics.jsonl`, TensorBoard and the trackers.
+
+`MetricsWriter` is the one place records go out: the same record reaches metrics.jsonl,
+TensorBoard and every configured tracker (`pretrain.observe.trackers`).
 
 Throughput uses `models.flops` (the same formula as the planner), so TFLOP/s and MFU here
 and in `launch.plan` cannot drift apart.
@@ -72,6 +75,12 @@ class StepMetrics:
     # MoE: mean load-balancing loss over MoE layers (1.0 = even routing) and router z-loss.
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
+    # Straggler report steps only (logging.straggler_interval): the rank furthest above its
+    # pipeline stage's median forward/backward compute time per step, over the interval.
+    straggler_slowest_rank: Optional[int] = None
+    straggler_slowest_s: Optional[float] = None
+    straggler_median_s: Optional[float] = None
+    straggler_ratio: Optional[float] = None
 
 
 class Throughput:
@@ -94,10 +103,11 @@ class Throughput:
 class MetricsWriter:
     """Writes on the logging rank only; other ranks hold a disabled writer."""
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, trackers=None):
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
+        self.trackers = trackers  # pretrain.observe.trackers.Trackers, or None
         if not enabled:
             return
         path = Path(run_dir)
@@ -117,21 +127,28 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step" and value is not None:
                     self.tb.add_scalar(f"train/{key}", value, m.step)
+        if self.trackers:
+            self.trackers.log(record)
         print(format_line(m, total_steps), flush=True)
 
     def log_eval(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+        record = {"step": step, "eval_loss": loss}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.trackers:
+            self.trackers.log(record)
         if self.tb is not None:
             self.tb.add_scalar("eval/loss", loss, step)
         print(f"eval  step {step:>6} | loss {loss:.4f}", flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.trackers:
+            self.trackers.close(failed)
 
 
 def format_line(m: StepMetrics, total_steps: int) -> str:
@@ -156,6 +173,8 @@ def format_line(m: StepMetrics, total_steps: int) -> str:
         parts.append(f"scale {m.loss_scale:g}")
     if m.skipped:
         parts.append("SKIPPED")
+    if m.straggler_ratio is not None:
+        parts.append(f"slowest rank {m.straggler_slowest_rank} x{m.straggler_ratio:.2f} of stage median")
     return " | ".join(parts)
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from pretrain.config import ExperimentConfig
 from pretrain.runtime import collective_device
@@ -55,6 +55,20 @@ def _forward_step(data_iterator, model):
         )
     output = model(tokens, position_ids, None, labels=labels)
     return output, partial(_loss_func, loss_mask)
+
+
+def _slow_forward_step(seconds: float, data_iterator, model):
+    """Test-only (runtime.inject_slow_rank): a straggler, slow in every micro-batch's forward."""
+    time.sleep(seconds)
+    return _forward_step(data_iterator, model)
+
+
+def injected_hang(step: int, seconds: float) -> None:
+    """Test-only (runtime.inject_hang_step): this rank stops making progress mid-step; the
+    hang watchdog's stack dump names this function."""
+    print(f"[fault injection] rank {dist.get_rank()} hangs in step {step} for {seconds:g} s "
+          f"(from unix time {time.time():.3f})", flush=True)
+    time.sleep(seconds)
 
 
 def _loss_sums(losses: list[dict]) -> Optional[torch.Tensor]:
@@ -106,8 +120,11 @@ def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig
                  num_microbatches: int, forward_only: bool) -> list[dict]:
     sched = config.schedule
     its = iterators if len(iterators) > 1 else iterators[0]
+    forward_step = _forward_step
+    if config.runtime.inject_slow_rank is not None and config.runtime.inject_slow_rank == dist.get_rank():
+        forward_step = partial(_slow_forward_step, config.runtime.inject_slow_ms / 1000)
     return get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=forward_step,
         data_iterator=its,
         model=state.model if len(state.model) > 1 else state.model[0],
         num_microbatches=num_microbatches,
@@ -184,13 +201,23 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
     moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"))
     if config.runtime.inject_nan_step == step:
         _inject_nan(state)
+    runtime = config.runtime
+    if runtime.inject_hang_step == step and runtime.inject_hang_rank == dist.get_rank():
+        injected_hang(step, runtime.inject_hang_seconds)
     fp16 = config.runtime.dtype == "fp16"
     loss, grads_bad = _agree(losses, grads_bad=not fp16 and _local_grads_bad(state))
     lr = state.optimizer.param_groups[0]["lr"]
     if grads_bad or not math.isfinite(loss):
         fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
         return StepResult(loss, float("nan"), lr, True, time.perf_counter() - start - fetch, non_finite=True, **moe)
+    # Megatron-LM's name for the step's optimizer timer; a range while profiling
+    # (pretrain.observe.timers; None, and free, otherwise).
+    timers = get_model_config(state.model[0]).timers
+    if timers is not None:
+        timers("optimizer", log_level=1).start()
     update_ok, grad_norm, _ = state.optimizer.step()
+    if timers is not None:
+        timers("optimizer").stop()
     if update_ok:
         state.scheduler.step(increment=1)
     lr = state.optimizer.param_groups[0]["lr"]

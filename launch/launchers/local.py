@@ -4,7 +4,9 @@
         parallel.tensor_parallel=2 parallel.pipeline_parallel=2
 
 Validates the config against the world size first (no processes are started for a config
-that cannot work), then execs torchrun with one process per rank.
+that cannot work), then runs torchrun with one process per rank. When a rank's hang
+watchdog stopped the run, says so (which rank, step, phase, where the stacks are) and exits
+75, the watchdog's code (torchrun itself reports any failed worker as 1).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 from pretrain.cli import resolve_config
 from pretrain.config import ConfigError, validate_for_world
+from pretrain.observe.watchdog import EXIT_HANG, hang_reports
 
 
 def torchrun_command(recipe: str, nproc: int, overrides: list[str], config_file: str | None = None) -> list[str]:
@@ -55,7 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     # One intra-op thread per rank: ranks already use every core; more threads thrash on CPU.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
-    return subprocess.call(cmd, env=env)
+    started = time.time()
+    code = subprocess.call(cmd, env=env)
+    reports = hang_reports(config.logging.run_dir, newer_than=started) if code else []
+    if reports:
+        print(f"error: the hang watchdog stopped the run (exit {EXIT_HANG}; torchrun said {code}): "
+              f"{reports[0].read_text().splitlines()[0]}", file=sys.stderr)
+        for report in reports:
+            print(f"  stacks: {report}", file=sys.stderr)
+        return EXIT_HANG
+    return code
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import shlex
 import textwrap
 from typing import Literal, Optional
 
+from pretrain.observe.watchdog import EXIT_HANG, HANG_DIR
+
 SCRIPT_NAME = "job.sh"
 CONFIG_NAME = "config.yaml"
 # torchrun forwards only these signals to its workers unless told; USR1 is Slurm's warning.
@@ -55,6 +57,7 @@ class JobSpec:
     cpus_per_task: Optional[int] = None
     command_line: str = ""  # the launch.slurm command that wrote the script
     config_notes: tuple[str, ...] = ()  # config values launch.slurm set, shown in the header
+    hang_requeues: int = 3  # requeues after the hang watchdog stopped the ranks (0: none)
 
     @property
     def ranks(self) -> int:
@@ -254,6 +257,9 @@ def _launch(spec: JobSpec) -> list[str]:
         'echo "[launch.slurm] job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}:' 
         ' $SLURM_JOB_NUM_NODES node(s), rendezvous $MASTER_ADDR:$MASTER_PORT, $(date -Is)"',
     ]
+    stamp = shlex.quote(spec.run_dir + "/logs/.attempt-") + '"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"'
+    lines += ["# Marks this attempt's start: hang reports newer than it are this attempt's.",
+              f"ATTEMPT_STAMP={stamp}", 'touch "$ATTEMPT_STAMP"']
     lines.append(" \\\n    ".join(["srun"] + _srun_options(spec) + _program(spec)) + " &")
     lines += [
         "TRAIN_PID=$!",
@@ -267,11 +273,47 @@ def _launch(spec: JobSpec) -> list[str]:
         '    scontrol requeue "$SLURM_JOB_ID"',
         "    exit 0",
         "fi",
+        *_hang_handling(spec),
         'echo "[launch.slurm] training exited with status $RC"',
         'exit "$RC"  # the job\'s exit code is the training\'s',
         "",
     ]
     return lines
+
+
+def _hang_handling(spec: JobSpec) -> list[str]:
+    """A rank's hang watchdog exits EXIT_HANG after writing its stacks to <run dir>/hang/;
+    srun may report another code (the peers it then kills), so a new report counts too."""
+    hang_dir = shlex.quote(f"{spec.run_dir}/{HANG_DIR}")
+    counter = shlex.quote(f"{spec.run_dir}/logs/.hang-requeues")
+    lines = [
+        "# Hang watchdog (pretrain.observe.watchdog): a rank whose step made no progress within",
+        f"# watchdog.timeout dumped its stacks into {comment_safe(spec.run_dir)}/{HANG_DIR}/ and exited {EXIT_HANG}.",
+        f"HANG_REPORT=$(find {hang_dir} -name 'rank_*.txt' -newer \"$ATTEMPT_STAMP\" 2>/dev/null | head -n 1)",
+        f'if (( RC == {EXIT_HANG} )) || [[ -n "$HANG_REPORT" ]]; then',
+    ]
+    if not (spec.requeue and spec.hang_requeues):
+        return lines + [
+            f'    echo "[launch.slurm] the hang watchdog stopped the ranks (exit $RC); stacks: $HANG_REPORT; '
+            'not requeueing (requeue is off)"',
+            f"    exit {EXIT_HANG}",
+            "fi",
+        ]
+    return lines + [
+        f"    HANGS=$(cat {counter} 2>/dev/null || echo 0)",
+        f"    if (( HANGS < {spec.hang_requeues} )); then  # launch.slurm --hang-requeues",
+        f"        echo $((HANGS + 1)) > {counter}",
+        '        echo "[launch.slurm] the hang watchdog stopped the ranks (exit $RC); stacks: $HANG_REPORT; '
+        f'requeueing job $SLURM_JOB_ID (hang requeue $((HANGS + 1)) of {spec.hang_requeues}) to resume from '
+        'the last checkpoint"',
+        '        scontrol requeue "$SLURM_JOB_ID"',
+        "        exit 0",
+        "    fi",
+        f'    echo "[launch.slurm] the hang watchdog stopped the ranks (exit $RC) after {spec.hang_requeues} '
+        'hang requeue(s) already; not requeueing: see $HANG_REPORT"',
+        f"    exit {EXIT_HANG}",
+        "fi",
+    ]
 
 
 def render(spec: JobSpec) -> str:

@@ -15,7 +15,9 @@ The run directory (default runs/<name>/<timestamp>/) receives job.sh, config.yam
 recipe with your overrides, resolved: the training reads only this), logs/ and, unless the
 config names another, checkpoints/. One srun task per GPU (or --launcher torchrun: one
 torchrun per node). USR1 before the time limit -> ranks save and exit -> the job requeues
-itself and resumes (checkpoint.resume=auto). Nothing is written or submitted when a check
+itself and resumes (checkpoint.resume=auto). A rank's hang watchdog (exit 75, stacks in
+<run dir>/hang/) -> the job requeues and resumes from the last checkpoint, at most
+--hang-requeues times. Nothing is written or submitted when a check
 fails: layout vs nodes x GPUs, data paths, run directory, time limit vs warning signal.
 """
 
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--signal-seconds", type=int, default=300,
                      help="USR1 this long before the time limit: save and requeue (0: off)")
     job.add_argument("--no-requeue", action="store_true")
+    job.add_argument("--hang-requeues", type=int, default=3, metavar="N",
+                     help="requeue at most N times after the hang watchdog stopped the ranks (default 3; 0: never)")
     job.add_argument("--logs", choices=["node", "rank"], default="node", help="one log file per ...")
     job.add_argument("--no-path-check", action="store_true",
                      help="skip data-path checks (paths this machine cannot see)")
@@ -315,6 +319,8 @@ def plan_job(args: argparse.Namespace, argv: list[str]) -> Plan:
                                f"checkpoint.dir={job_run_dir}/checkpoints")
     check_layout(config, args.nodes, per_node, args.cpu, checks)
     check_time(args.time, args.signal_seconds, checks)
+    if args.hang_requeues < 0:
+        checks.errors.append(f"--hang-requeues {args.hang_requeues} must be >= 0 (0: never requeue after a hang)")
     if not args.no_path_check:
         check_data_paths(config, workdir, view, checks)
     if not args.no_requeue and config.checkpoint.resume != "auto":
@@ -332,7 +338,7 @@ def plan_job(args: argparse.Namespace, argv: list[str]) -> Plan:
         container_mounts=tuple(",".join(args.container_mounts).split(",")) if args.container_mounts else (),
         signal_seconds=0 if args.no_requeue else args.signal_seconds, requeue=not args.no_requeue,
         logs=args.logs, cpus_per_task=args.cpus_per_task, command_line=_argv_for_header(argv),
-        config_notes=tuple(notes),
+        config_notes=tuple(notes), hang_requeues=args.hang_requeues,
     )
     _check_directive_values(spec, checks)
     if checks.errors:

@@ -170,24 +170,27 @@ def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
     return request
 
 
-def training_meta(config: ExperimentConfig, step: int, world_size: int) -> CheckpointMeta:
+def training_meta(config: ExperimentConfig, step: int, world_size: int,
+                  tracker_runs: Optional[dict] = None) -> CheckpointMeta:
     samples = step * config.schedule.global_batch_size
     return CheckpointMeta(
         step=step, consumed_samples=samples, consumed_tokens=samples * config.schedule.seq_length,
         world_size=world_size, layout=config.parallel.model_dump(),
         layout_name=config.parallel.describe(world_size), model=config.model.model_dump(),
         precision=config.runtime.precision(),
+        tracker_runs=tracker_runs or None,
     )
 
 
-def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, keep_last: int, log) -> Path:
+def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, keep_last: int, log,
+              tracker_runs: Optional[dict] = None) -> Path:
     """Mark the checkpoint complete, move it into place, advance `latest` (all ranks call)."""
     dist.barrier()  # every rank's shards are on disk
     final = root / step_dir_name(step)
     tmp = root / tmp_dir_name(step)
     if dist.get_rank() == 0:
         (tmp / CONFIG).write_text(dump_yaml(config))
-        meta = training_meta(config, step, world_size)
+        meta = training_meta(config, step, world_size, tracker_runs)
         meta.files = collect_file_table(tmp)
         meta.write(tmp)
         mark_complete(tmp)
@@ -221,8 +224,9 @@ def _retain(root: Path, keep_last: int, saved: Path) -> None:
 class Checkpointer:
     """The save policy and the saves. `save(...)` is called once per step on every rank."""
 
-    def __init__(self, config: ExperimentConfig, world_size: int, log):
+    def __init__(self, config: ExperimentConfig, world_size: int, log, tracker_runs: Optional[dict] = None):
         self.config, self.world_size, self.log = config, world_size, log
+        self.tracker_runs = tracker_runs  # written into every checkpoint's meta.json
         self.root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
         self._queue = self._pool = None
         if self.root is not None:
@@ -247,7 +251,8 @@ class Checkpointer:
         keep = self.config.checkpoint.keep_last
 
         def finalize():
-            self.log(f"saved checkpoint {_finalize(self.root, step, self.config, self.world_size, keep, self.log)}")
+            final = _finalize(self.root, step, self.config, self.world_size, keep, self.log, self.tracker_runs)
+            self.log(f"saved checkpoint {final}")
 
         if request is None:
             finalize()

@@ -79,6 +79,9 @@ class CheckpointMeta:
     # format, recipe and its settings). None in checkpoints written before it existed, and
     # in the tools' conversions. A resume with different settings warns.
     precision: Optional[dict] = None
+    # Experiment tracker runs of the training ({"mlflow": run id, "wandb": run id}), so a
+    # resume continues them. Absent in older checkpoints (read as None).
+    tracker_runs: Optional[dict] = None
 
     @classmethod
     def read(cls, directory: Path) -> "CheckpointMeta":

@@ -138,3 +138,29 @@ def test_torchrun_per_node_launcher(slurm_env, tmp_path, cache_dir):
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), describe(run_dir)
     assert read_losses(run_dir).keys() == {1, 2, 3}
     assert "(torchrun, cpu/gloo)" in describe(run_dir)  # ranks came from torchrun, not srun
+
+
+def test_hang_watchdog_exit_requeues_and_resumes_from_the_last_checkpoint(slurm_env, tmp_path, cache_dir,
+                                                                           uninterrupted):
+    """Rank 1 of 4 stops making progress at step 6 (test-only fault injection): the watchdogs
+    dump their stacks and exit 75, the job script requeues the job, and the new attempt
+    resumes from step 4's checkpoint (the injection is skipped in a resumed run) to the end,
+    matching the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    hang = ["runtime.inject_hang_step=6", "runtime.inject_hang_rank=1", "watchdog.timeout_s=20"]
+    job_id = submit(cpu_job(run_dir, cache_dir) + TINY + hang, slurm_env)
+    info = wait_for_job(job_id, slurm_env, run_dir, timeout=600)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), describe(run_dir)
+    assert int(info["Restarts"]) == 1, describe(run_dir)
+    batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "the hang watchdog stopped the ranks" in batch_log and "hang requeue 1 of 3" in batch_log, batch_log
+    assert "attempt 1" in batch_log, batch_log
+    reports = list((run_dir / "hang").glob("rank_1.*.txt"))
+    assert len(reports) == 1 and "in injected_hang" in reports[0].read_text(), describe(run_dir)
+    node_log = next((run_dir / "logs").glob(f"{job_id}-node0-*.log")).read_text()
+    assert "resumed from" in node_log and "step_00000004" in node_log, describe(run_dir)
+    resumed, reference = read_losses(run_dir), read_losses(uninterrupted[0])
+    assert sorted(resumed) == sorted(reference)
+    mismatched = {s: (resumed[s], reference[s]) for s in reference
+                  if not math.isclose(resumed[s], reference[s], rel_tol=1e-6, abs_tol=1e-6)}
+    assert not mismatched, f"step: (resumed, uninterrupted) {mismatched}\n{describe(run_dir)}"

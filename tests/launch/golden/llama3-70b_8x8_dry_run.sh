@@ -73,6 +73,9 @@ forward_usr1() {
 }
 trap forward_usr1 USR1
 echo "[launch.slurm] job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: $SLURM_JOB_NUM_NODES node(s), rendezvous $MASTER_ADDR:$MASTER_PORT, $(date -Is)"
+# Marks this attempt's start: hang reports newer than it are this attempt's.
+ATTEMPT_STAMP=/lustre/runs/llama3-70b/golden/logs/.attempt-"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+touch "$ATTEMPT_STAMP"
 srun \
     --output=/lustre/runs/llama3-70b/golden/logs/%j-node%n-%N.log \
     --open-mode=append \
@@ -93,6 +96,20 @@ if (( PREEMPTED )); then
     echo "[launch.slurm] ranks stopped (exit $RC) after USR1; requeueing job $SLURM_JOB_ID to resume"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
+fi
+# Hang watchdog (pretrain.observe.watchdog): a rank whose step made no progress within
+# watchdog.timeout dumped its stacks into /lustre/runs/llama3-70b/golden/hang/ and exited 75.
+HANG_REPORT=$(find /lustre/runs/llama3-70b/golden/hang -name 'rank_*.txt' -newer "$ATTEMPT_STAMP" 2>/dev/null | head -n 1)
+if (( RC == 75 )) || [[ -n "$HANG_REPORT" ]]; then
+    HANGS=$(cat /lustre/runs/llama3-70b/golden/logs/.hang-requeues 2>/dev/null || echo 0)
+    if (( HANGS < 3 )); then  # launch.slurm --hang-requeues
+        echo $((HANGS + 1)) > /lustre/runs/llama3-70b/golden/logs/.hang-requeues
+        echo "[launch.slurm] the hang watchdog stopped the ranks (exit $RC); stacks: $HANG_REPORT; requeueing job $SLURM_JOB_ID (hang requeue $((HANGS + 1)) of 3) to resume from the last checkpoint"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    echo "[launch.slurm] the hang watchdog stopped the ranks (exit $RC) after 3 hang requeue(s) already; not requeueing: see $HANG_REPORT"
+    exit 75
 fi
 echo "[launch.slurm] training exited with status $RC"
 exit "$RC"  # the job's exit code is the training's
