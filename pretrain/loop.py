@@ -21,6 +21,7 @@ from pretrain.config import (
     num_microbatches,
     validate_for_machine,
     validate_for_world,
+    validate_inputs,
 )
 from pretrain.data import build_datasets, chunk_iterators
 from pretrain.metrics import (
@@ -59,6 +60,7 @@ def setup(config: ExperimentConfig) -> Run:
     world_size = world_size_from_env()
     validate_for_world(config, world_size)  # before any process group exists
     spec = validate_for_machine(config)  # the spec `auto` resolves to here can run this config
+    validate_inputs(config, prepare_demo=True)  # paths it writes, data it reads
     resume_from = checkpoint.resolve_resume(config, print)  # bad checkpoint paths fail here
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, config)
@@ -166,13 +168,14 @@ def _run_eval(run: Run, step: int) -> None:
 
 def main_train(config: ExperimentConfig) -> int:
     """Set up, train, shut down; returns the process exit code."""
+    from data_pipeline.checks import print_error
     from pretrain.config import ConfigError
     from pretrain.runtime import shutdown
 
     try:
         run = setup(config)
     except (ConfigError, checkpoint.CheckpointError) as exc:
-        print(f"error: {exc}", flush=True)
+        print_error(exc)
         return 2
     try:
         history = train(run, run.start_step)

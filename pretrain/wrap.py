@@ -78,6 +78,9 @@ def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -
         tconfig.grad_scale_func = optimizer.scale_loss
 
     sched = config.schedule
+    # An explicit decay_steps <= warmup_steps is refused by the config. Unset, decay spans
+    # train_steps; a run shorter than its warmup (short tests) ends still warming up, and
+    # Megatron's scheduler needs decay > warmup: the max() below is that unreached step.
     decay_steps = sched.decay_steps or sched.train_steps
     scheduler = OptimizerParamScheduler(
         optimizer,
