@@ -26,6 +26,11 @@ FAILED = 1
 INTERRUPTED = 130
 
 
+class WorkFailed(RuntimeError):
+    """The work stopped for a reason outside the input (a full disk, a file-size limit):
+    `run_cli` reports it in one line with exit status 1. The message says what was kept."""
+
+
 def print_error(message: object, *, file=None) -> None:
     """`error: ` + the message's first line; later lines (more problems, details) indented."""
     file = file or sys.stderr
@@ -49,8 +54,8 @@ def describe_os_error(exc: OSError) -> str:
 
 def run_cli(body: Callable[[], int], *, bad_input: tuple[type[BaseException], ...] = (),
             on_interrupt: Optional[str] = None) -> int:
-    """Run a CLI body: `bad_input` exceptions -> `error: ...`, exit 2; an OSError that
-    escaped (disk full, file-size limit, permissions) -> `error: ...`, exit 1; Ctrl-C /
+    """Run a CLI body: `bad_input` exceptions -> `error: ...`, exit 2; WorkFailed or an
+    OSError that escaped (disk full, file-size limit, permissions) -> `error: ...`, exit 1; Ctrl-C /
     SIGTERM raised as KeyboardInterrupt -> `on_interrupt`, exit 130. Anything else is a
     bug and keeps its traceback."""
     try:
@@ -58,6 +63,9 @@ def run_cli(body: Callable[[], int], *, bad_input: tuple[type[BaseException], ..
     except bad_input as exc:
         print_error(exc)
         return BAD_INPUT
+    except WorkFailed as exc:
+        print_error(exc)
+        return FAILED
     except OSError as exc:
         print_error(describe_os_error(exc))
         return FAILED
