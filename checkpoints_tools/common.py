@@ -19,12 +19,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from models.config import ModelConfig
 from models.layout import LayoutError, ParallelLayout, validate_layout
 from models.runtime import DTYPE_NAMES, DTYPES  # noqa: F401 (import_hf uses DTYPE_NAMES from here)
+from pretrain.checkpointing.integrity import checksum_problems, collect_file_table
 from pretrain.checkpointing.format import (
     COMPLETE,
     CONFIG,
     CheckpointError,
     CheckpointMeta,
-    check_metadata,
+    damage,
     find_resumable,
     is_complete,
     looks_like_checkpoint,
@@ -38,9 +39,14 @@ class ToolError(Exception):
     """Bad input to a checkpoints_tools command; the message says what and how to fix it."""
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A complete checkpoint step directory, given it or a `checkpoint.dir` (what `latest`
-    names, else the newest complete one, as training's checkpoint.resume=auto picks)."""
+_VERIFIED: set[Path] = set()  # checkpoints whose checksums this process has checked
+
+
+def resolve_checkpoint(path: Path, *, verify_checksums: bool = True) -> Path:
+    """A complete, undamaged checkpoint step directory, given it or a `checkpoint.dir` (what
+    `latest` names, else the newest undamaged one, as training's checkpoint.resume=auto picks).
+    Its .metadata is unpickled the safe way and its file sizes are checked; its checksums too
+    unless `verify_checksums` is off."""
     path = Path(path)
     if not path.exists():
         raise ToolError(f"checkpoint path {path} does not exist")
@@ -48,17 +54,22 @@ def resolve_checkpoint(path: Path) -> Path:
         if not is_complete(path):
             raise ToolError(f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save crashed); "
                             "use an earlier step")
+        problems = damage(path)
+        if problems:
+            raise ToolError(f"checkpoint {path} is damaged: {'; '.join(problems)}; use an earlier step")
         found = path
     else:
         found = find_resumable(path, warn=lambda message: print(message, file=sys.stderr))
-    if found is not None:
-        try:
-            check_metadata(found)  # unpickled the safe way, before anything else reads it
-        except CheckpointError as exc:
-            raise ToolError(str(exc)) from None
-        return found
-    raise ToolError(f"{path} is not a training checkpoint: expected a step_XXXXXXXX directory "
-                    f"(with meta.json and {COMPLETE}) or a checkpoint.dir holding one")
+    if found is None:
+        raise ToolError(f"{path} is not a training checkpoint: expected a step_XXXXXXXX directory "
+                        f"(with meta.json and {COMPLETE}) or a checkpoint.dir holding one")
+    if verify_checksums and found.resolve() not in _VERIFIED:
+        problems = checksum_problems(found, CheckpointMeta.read(found).files or {})
+        if problems:
+            raise ToolError(f"checkpoint {found} is damaged: {'; '.join(problems)}; use an earlier step "
+                            "(--no-verify-checksums skips this check)")
+        _VERIFIED.add(found.resolve())
+    return found
 
 
 def checkpoint_model(path: Path) -> tuple[CheckpointMeta, ModelConfig]:
@@ -121,6 +132,12 @@ def add_output_arguments(parser, dtype_help: str) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def add_input_arguments(parser) -> None:
+    """--no-verify-checksums, which every tool reading a checkpoint takes."""
+    parser.add_argument("--no-verify-checksums", action="store_true",
+                        help="skip re-reading every file to check its checksum (sizes are still checked)")
+
+
 def layout_from_args(model: ModelConfig, args) -> tuple[ParallelLayout, int]:
     return target_layout(model, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp,
                          sequence_parallel=args.sequence_parallel, world_size=args.world_size)
@@ -176,13 +193,13 @@ def write_training_meta(out: Path, *, model: ModelConfig, layout: ParallelLayout
                         provenance: dict) -> None:
     """meta.json + config.yaml as training writes them, then COMPLETE (last)."""
     config = config.model_copy(update={"model": model, "parallel": layout})
+    (out / CONFIG).write_text(dump_yaml(config))
     CheckpointMeta(
         step=step, consumed_samples=consumed_samples,
         consumed_tokens=consumed_samples * config.schedule.seq_length, world_size=world_size,
         layout=layout.model_dump(), layout_name=layout.describe(world_size), model=model.model_dump(),
-        has_optimizer=has_optimizer, converted_by=provenance,
+        has_optimizer=has_optimizer, converted_by=provenance, files=collect_file_table(out),
     ).write(out)
-    (out / CONFIG).write_text(dump_yaml(config))
     mark_complete(out)
 
 

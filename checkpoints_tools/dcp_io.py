@@ -18,6 +18,7 @@ rank's bytes only. Any other layout still loads: DCP reshards on read.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -49,6 +51,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from checkpoints_tools.mapping import TP_SPLIT, model_key, stacked_axes
 from models.layout import ParallelLayout
 from pretrain.checkpointing.async_writer import own_storage_alias
+from pretrain.checkpointing.integrity import hashing_open
 from pretrain.megatron_fixes.checkpointing import UnsafeCheckpoint, read_metadata_safely
 
 # What Megatron-Core writes next to the DCP files (dist_checkpointing/core.py).
@@ -78,6 +81,16 @@ class _RegionPlanner:
 
     def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
         self.blobs[item.dest_index.fqn] = value.getvalue()
+
+
+class _HashingFileSystem(FileSystem):
+    """torch's local file system for DCP, with shard files hashed as they are written
+    (pretrain.checkpointing.integrity: the notes become meta.json's file table)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with hashing_open(path, mode) as stream:
+            yield stream
 
 
 class CheckpointReader:
@@ -254,6 +267,7 @@ def write_checkpoint(
     # writing, but DCP balances their buckets by size, so they drift apart by layers and
     # re-read some (measured on 2 busy cores: no faster, 5 of 27 layers read twice).
     writer = FileSystemWriter(str(out), single_file_per_rank=True, sync_files=True, thread_count=threads)
+    writer.fs = _HashingFileSystem()  # shards hashed as written, as training's saves are
     writer.set_up_storage_writer(True)
     plans, metadata = create_default_global_save_plan([writer.prepare_local_plan(SavePlan(items))])
     plan = writer.prepare_global_plan(plans)[0]

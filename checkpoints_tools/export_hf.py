@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from checkpoints_tools.common import (
+    add_input_arguments,
     ToolError,
     add_output_arguments,
     byte_progress,
@@ -137,10 +138,11 @@ def _tokenizer_source(src: Path, tokenizer: Optional[Path], model: ModelConfig) 
 
 def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None,
               tokenizer: Optional[Path] = None, with_tokenizer: bool = True,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = False) -> dict:
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = False,
+              verify_checksums: bool = True) -> dict:
     """Write the HF directory `dst` for checkpoint `src`; returns a summary."""
     start = time.perf_counter()
-    src = resolve_checkpoint(src)
+    src = resolve_checkpoint(src, verify_checksums=verify_checksums)
     meta, model = checkpoint_model(src)
     try:
         reader = CheckpointReader(src)
@@ -198,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("src", type=Path, help="checkpoint step directory, or a checkpoint.dir (newest)")
     parser.add_argument("dst", type=Path, help="output Hugging Face model directory")
     add_output_arguments(parser, dtype_help="weight dtype (default: the checkpoint's)")
+    add_input_arguments(parser)
     parser.add_argument("--architecture", choices=["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"],
                         help="HF class (default: Llama for dense, Mixtral for MoE models)")
     parser.add_argument("--tokenizer", type=Path, help="SentencePiece .model, tokenizer.json, or a directory")
@@ -214,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = export_hf(args.src, args.dst, dtype=parse_dtype(args.dtype), architecture=args.architecture,
                             tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
                             max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, verify_checksums=not args.no_verify_checksums)
         print(f"wrote {summary['output']}: {summary['architecture']} ({summary['dtype']}, {summary['shards']} "
               f"shard(s), {summary['bytes'] / 1e9:.3f} GB) from {summary['source_layout']} in "
               f"{summary['seconds']:.1f} s; tokenizer: {summary['tokenizer'] or 'none'}")

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from checkpoints_tools.common import (
+    add_input_arguments,
     DTYPE_NAMES,
     add_layout_arguments,
     add_output_arguments,
@@ -146,14 +147,14 @@ def read_order(tensors: dict) -> list:
 
 def reshard(src: Path, dst: Path, *, layout: ParallelLayout, world_size: Optional[int] = None,
             drop_optimizer: bool = False, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-            progress: bool = False) -> dict:
+            progress: bool = False, verify_checksums: bool = True) -> dict:
     """Write the checkpoint `src` (a step directory or a checkpoint.dir) to `dst` for `layout`.
 
     dtype casts the model weights only (optimizer state stays fp32). Returns a summary
     (output, layouts, bytes written, seconds).
     """
     start = time.perf_counter()
-    src = resolve_checkpoint(src)
+    src = resolve_checkpoint(src, verify_checksums=verify_checksums)
     meta, model = checkpoint_model(src)
     world = check_layout(model, layout, world_size)
     reader = CheckpointReader(src)
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_arguments(parser)
     parser.add_argument("--drop-optimizer", action="store_true", help="write model weights only (serving copy)")
     add_output_arguments(parser, dtype_help="cast model weights (default: keep)")
+    add_input_arguments(parser)
     return parser
 
 
@@ -225,10 +227,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        _, model = checkpoint_model(resolve_checkpoint(args.src))
+        _, model = checkpoint_model(resolve_checkpoint(args.src, verify_checksums=not args.no_verify_checksums))
         layout, world = layout_from_args(model, args)
         summary = reshard(args.src, args.dst, layout=layout, world_size=world, drop_optimizer=args.drop_optimizer,
-                          dtype=parse_dtype(args.dtype), overwrite=args.overwrite, progress=not args.no_progress)
+                          dtype=parse_dtype(args.dtype), overwrite=args.overwrite, progress=not args.no_progress,
+                          verify_checksums=not args.no_verify_checksums)
         print(f"wrote {summary['output']}: {summary['source_layout']} -> {summary['layout']}, "
               f"{summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f} s"
               + ("" if summary["optimizer"] else " (model weights only)"))

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from checkpoints_tools.common import ToolError, checkpoint_model, resolve_checkpoint, run_cli
+from checkpoints_tools.common import ToolError, add_input_arguments, checkpoint_model, resolve_checkpoint, run_cli
 from models.layout import ParallelLayout
 
 
@@ -135,9 +135,10 @@ def _check_length(tokens: torch.Tensor, max_length: int) -> None:
 
 
 def verify(checkpoint: Path, hf_dir: Path, *, tolerance: float = 1e-4, min_agreement: float = 1.0,
-           text: Optional[str] = None, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
+           text: Optional[str] = None, batch: int = 2, seq: int = 64, seed: int = 0,
+           verify_checksums: bool = True) -> dict:
     """Compare logits; the report's `passed` says whether both thresholds hold."""
-    checkpoint = resolve_checkpoint(checkpoint)
+    checkpoint = resolve_checkpoint(checkpoint, verify_checksums=verify_checksums)
     _, model = checkpoint_model(checkpoint)
     if not (Path(hf_dir) / "config.json").is_file():
         raise ToolError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    add_input_arguments(parser)
     return parser
 
 
@@ -171,7 +173,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def body() -> int:
         report = verify(args.checkpoint, args.hf_dir, tolerance=args.tolerance, min_agreement=args.min_agreement,
-                        text=args.text, batch=args.batch, seq=args.seq, seed=args.seed)
+                        text=args.text, batch=args.batch, seq=args.seq, seed=args.seed,
+                        verify_checksums=not args.no_verify_checksums)
         if args.json:
             print(json.dumps(report))
         else:

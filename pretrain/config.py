@@ -102,6 +102,11 @@ class CheckpointConfig(_Strict):
     async_save: bool = False
     exit_after_minutes: Optional[float] = Field(default=None, gt=0)
     on_nan: Literal["skip", "stop"] = "stop"
+    # Checkpoints in `dir` newer than the resume point (or any, starting fresh) would be
+    # overwritten or interleaved: "refuse" to start, or "move_aside" into superseded-<time>/.
+    on_newer: Literal["refuse", "move_aside"] = "refuse"
+    # Check every file's xxh3-64 checksum on load (sizes are always checked).
+    verify_checksums: bool = True
 
 
 class LoggingConfig(_Strict):

@@ -34,6 +34,7 @@ from pretrain.metrics import (
 )
 from pretrain.runtime import init_distributed, is_logging_rank, world_size_from_env
 from pretrain.checkpointing import checkpointer as checkpoint
+from pretrain.checkpointing.resume import plan_resume, settle
 from pretrain.signals import StopRequest
 from pretrain.step import evaluate, train_step
 from pretrain.wrap import TrainingState, wrap_for_training
@@ -61,10 +62,13 @@ def setup(config: ExperimentConfig) -> Run:
     validate_for_world(config, world_size)  # before any process group exists
     spec = validate_for_machine(config)  # the spec `auto` resolves to here can run this config
     validate_inputs(config, prepare_demo=True)  # paths it writes, data it reads
-    resume_from = checkpoint.resolve_resume(config, print)  # bad checkpoint paths fail here
-    if resume_from is not None:
-        checkpoint.check_compatible(resume_from, config)
+    resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
+    if resume.first is not None:
+        checkpoint.check_compatible(resume.first, config)
     env = init_distributed(config.parallel, seed=config.runtime.seed)
+    resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
+    if resume_from is not None and resume_from != resume.first:
+        checkpoint.check_compatible(resume_from, config)
     log_rank = is_logging_rank()
     run_dir = Path(config.logging.run_dir)
     if env.rank == 0:
@@ -176,6 +180,7 @@ def main_train(config: ExperimentConfig) -> int:
         run = setup(config)
     except (ConfigError, checkpoint.CheckpointError) as exc:
         print_error(exc)
+        shutdown()  # the process group, if the error came after it (a damaged checkpoint)
         return 2
     try:
         history = train(run, run.start_step)

@@ -171,9 +171,10 @@ def start_write_results_queue() -> None:
 def _writer_loop(requests, done, parent_pid: int) -> None:
     """The writer process: run each request's write function, report its index or error."""
     from data_pipeline.processes import get_unless_orphaned
-    # Imported now, while the trainer is still starting, not when the first save arrives.
-    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401
 
+    # A fresh (spawned) interpreter: shards must be hashed as they are written here too.
+    # This also imports dist_checkpointing's writer now, while the trainer is starting.
+    checkpointing_fixes.install_write_hashing()
     helper_process_init()
     # Training comes first: the writer (and the per-file processes it starts) gets the CPU
     # time training leaves; its work is mostly copying into the page cache and fsync.

@@ -21,8 +21,8 @@ from __future__ import annotations
 import gc
 import random
 import shutil
+import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -31,15 +31,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from pretrain.checkpointing import async_writer
+from pretrain.checkpointing.integrity import collect_file_table
 from pretrain.checkpointing.format import (
     CONFIG,
     CheckpointError,
     CheckpointMeta,
-    check_metadata,
     complete_checkpoints,
-    find_resumable,
-    is_complete,
-    looks_like_checkpoint,
+    read_latest,
     mark_complete,
     model_state_key,
     rng_file,
@@ -50,7 +48,7 @@ from pretrain.checkpointing.format import (
 from pretrain.config import ExperimentConfig, dump_yaml
 from pretrain.runtime import collective_device
 
-__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "load", "load_model_weights", "resolve_resume"]
+__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "load", "load_model_weights"]
 
 # The optimizer format that loads at any TP/PP/DP layout. 0.16.1's other reshardable
 # format, "fully_sharded_model_space", fails on flattened ranges ("ShardedTensor.
@@ -154,29 +152,42 @@ def training_meta(config: ExperimentConfig, step: int, world_size: int) -> Check
     )
 
 
-def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, keep_last: int) -> Path:
+def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, keep_last: int, log) -> Path:
     """Mark the checkpoint complete, move it into place, advance `latest` (all ranks call)."""
     dist.barrier()  # every rank's shards are on disk
     final = root / step_dir_name(step)
     tmp = root / tmp_dir_name(step)
     if dist.get_rank() == 0:
-        training_meta(config, step, world_size).write(tmp)
         (tmp / CONFIG).write_text(dump_yaml(config))
+        meta = training_meta(config, step, world_size)
+        meta.files = collect_file_table(tmp)
+        meta.write(tmp)
         mark_complete(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            # Not expected (resume refuses or moves newer checkpoints aside first, see
+            # pretrain.checkpointing.resume); still, never delete a checkpoint silently.
+            aside = root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}" / final.name
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            final.rename(aside)
+            log(f"warning: {final} existed; moved it to {aside}")
         tmp.replace(final)
         write_latest(root, final.name)
-        _retain(root, keep_last)
+        _retain(root, keep_last, final)
     dist.barrier()
     return final
 
 
-def _retain(root: Path, keep_last: int) -> None:
-    """Delete all but the newest keep_last complete checkpoints (never the newest)."""
+def _retain(root: Path, keep_last: int, saved: Path) -> None:
+    """Keep the newest keep_last complete checkpoints, and always the one just saved and the
+    one `latest` names; delete the rest."""
     complete = complete_checkpoints(root)
-    for old in complete[: max(0, len(complete) - max(1, keep_last))]:
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(complete[-max(1, keep_last):]) | {saved}
+    latest = read_latest(root)
+    if latest is not None:
+        keep.add(root / latest)
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class Checkpointer:
@@ -208,7 +219,7 @@ class Checkpointer:
         keep = self.config.checkpoint.keep_last
 
         def finalize():
-            self.log(f"saved checkpoint {_finalize(self.root, step, self.config, self.world_size, keep)}")
+            self.log(f"saved checkpoint {_finalize(self.root, step, self.config, self.world_size, keep, self.log)}")
 
         if request is None:
             finalize()
@@ -235,34 +246,9 @@ class Checkpointer:
             self._queue.close()
 
 
-def resolve_resume(config: ExperimentConfig, log) -> Optional[Path]:
-    """The checkpoint to resume from, or None to start fresh (before any process group)."""
-    spec = str(config.checkpoint.resume)
-    root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
-    if spec == "none":
-        return None
-    if spec == "auto":
-        return find_resumable(root, log) if root is not None else None
-    path = Path(spec)
-    if spec.isdigit():
-        if root is None:
-            raise CheckpointError(f"checkpoint.resume={spec} is a step number but checkpoint.dir is unset")
-        path = root / step_dir_name(int(spec))
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist; use checkpoint.resume=auto or a valid path")
-    if not looks_like_checkpoint(path):
-        raise CheckpointError(f"{path} is not a checkpoint (no meta.json / COMPLETE marker)")
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} is incomplete (the save crashed before COMPLETE); "
-                              "resume from an earlier step or use checkpoint.resume=auto")
-    return path
-
-
 def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
-    """Refuse a checkpoint of a different model, or one whose shard metadata is unsafe or
-    damaged (before any process group); returns its metadata."""
+    """Refuse a checkpoint of a different model; returns its metadata."""
     meta = CheckpointMeta.read(path)
-    check_metadata(path)
     mine = config.model.model_dump()
     diffs = [f"{k}: checkpoint {meta.model.get(k)!r} vs config {v!r}"
              for k, v in mine.items() if meta.model.get(k) != v]

@@ -6,7 +6,8 @@ Under a `checkpoint.dir`:
         __R_S.distcp ...    dist_checkpointing (torch_dist) shards, .metadata, metadata.json,
         common.pt           and its non-sharded objects (the LR scheduler's numbers)
         rng/rank_<r>.pt     per-rank RNG states (training checkpoints only)
-        meta.json           CheckpointMeta: step, consumed samples/tokens, layout, model, ...
+        meta.json           CheckpointMeta: step, consumed samples/tokens, layout, model, and
+                            every other file's size and xxh3-64 checksum
         config.yaml         the resolved experiment config
         COMPLETE            written last (fsynced); a directory without it is not a checkpoint
     latest                  name of the newest checkpoint (replaced atomically, after COMPLETE)
@@ -70,6 +71,9 @@ class CheckpointMeta:
     has_optimizer: bool = True  # False: model-only (serving copies, HF imports)
     format_version: int = FORMAT_VERSION
     converted_by: Optional[dict] = None  # checkpoints_tools provenance
+    # {relative path: {"bytes": n, "xxh3_64": hex}} of every file but meta.json and COMPLETE
+    # (pretrain.checkpointing.integrity); None in checkpoints written before it existed.
+    files: Optional[dict] = None
 
     @classmethod
     def read(cls, directory: Path) -> "CheckpointMeta":
@@ -166,18 +170,47 @@ def write_latest(root: Path, name: str) -> None:
     os.replace(tmp, Path(root) / LATEST)
 
 
-def find_resumable(root: Path, warn: Callable[[str], None] = lambda m: None) -> Optional[Path]:
-    """The checkpoint `latest` names if it is complete, else the newest complete one (with a
-    warning that the pointer is stale), else None."""
+def damage(directory: Path) -> list[str]:
+    """What is wrong with a complete-looking checkpoint, found cheaply (no shard is read):
+    meta.json unreadable, .metadata unsafe or damaged, files missing or of the wrong size."""
+    from pretrain.checkpointing.integrity import size_problems
+
+    try:
+        meta = CheckpointMeta.read(directory)
+        check_metadata(directory)
+    except CheckpointError as exc:
+        return [str(exc)]
+    return size_problems(directory, meta.files)
+
+
+def usable_checkpoints(root: Path, warn: Callable[[str], None] = lambda m: None) -> list[Path]:
+    """Complete, undamaged checkpoints in the order `resume=auto` tries them: the one `latest`
+    names, then the others newest first. Says why it passes over any."""
     root = Path(root)
     for bad in incomplete_checkpoints(root):
         warn(f"warning: skipping incomplete checkpoint {bad} (no {COMPLETE} marker: crash mid-save)")
     complete = complete_checkpoints(root)
+    order = complete[::-1]
     name = read_latest(root)
     if name is not None:
         pointed = root / name
         if pointed in complete:
-            return pointed
-        fallback = f"the newest complete one, {complete[-1].name}" if complete else "nothing"
-        warn(f"warning: {root / LATEST} names {name!r}, which is not a complete checkpoint; using {fallback}")
-    return complete[-1] if complete else None
+            order = [pointed] + [p for p in order if p != pointed]
+        else:
+            fallback = f"the newest complete one, {complete[-1].name}" if complete else "nothing"
+            warn(f"warning: {root / LATEST} names {name!r}, which is not a complete checkpoint; using {fallback}")
+    usable = []
+    for path in order:
+        problems = damage(path)
+        if problems:
+            warn(f"warning: skipping damaged checkpoint {path}: {'; '.join(problems)}")
+        else:
+            usable.append(path)
+    return usable
+
+
+def find_resumable(root: Path, warn: Callable[[str], None] = lambda m: None) -> Optional[Path]:
+    """The checkpoint `latest` names if it is complete and undamaged, else the newest such
+    one (with a warning saying why), else None."""
+    usable = usable_checkpoints(root, warn)
+    return usable[0] if usable else None

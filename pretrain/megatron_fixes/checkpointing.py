@@ -25,6 +25,12 @@
    unpickler. checkpoints_tools read `.metadata` through `read_metadata_safely` (their reader
    is torch's FileSystemReader too) and never unpickle stored objects. `common.pt` and our
    `rng/*.pt` are read with `weights_only=True` (torch's default since 2.6) already.
+4. Shard files hashed as they are written. `FileSystemWriterAsync.write_preloaded_data`
+   (strategies/filesystem_async.py, every torch_dist save, sync or async) opens each shard
+   with `open_file = open; with open_file(file_name, "wb")`: the module global `open` is set
+   to `pretrain.checkpointing.integrity.hashing_open`, which hashes the bytes on their way
+   to the file (pretrain.checkpointing.integrity says what is done with the digests). Installed
+   in the trainer and in our async writer process (`install_write_hashing`).
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ SOURCES = {
     # Replaced: plain pickle.load of .metadata; torch.load(weights_only=False) of stored objects.
     "torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata": "8586ce344a523602",
     "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner.load_bytes": "666701f9808c4bc2",
+    # Opens each shard through the module global `open`, which we set.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.write_preloaded_data":
+        "0aef9e6cbe573e10",
 }
 
 _DCP = "torch.distributed.checkpoint"
@@ -159,7 +168,17 @@ def start_write_results_queue(initializer: Callable) -> None:
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
+def install_write_hashing() -> None:
+    """Fix 4 (also called in the async writer process, which is spawned fresh)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain.checkpointing.integrity import hashing_open
+
+    filesystem_async.open = hashing_open
+
+
 def apply() -> None:
     expect_sources("checkpointing", SOURCES)
     _install_resolve_data_hook()
     _install_safe_loading()
+    install_write_hashing()

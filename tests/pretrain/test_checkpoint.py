@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from pretrain.checkpointing.checkpointer import CheckpointError, resolve_resume
+from pretrain.checkpointing.format import CheckpointError
+from pretrain.checkpointing.resume import plan_resume
 from pretrain.cli import resolve_config
 from tests.distributed import REPO, RankFailure, run_ranks
 from tests.pretrain.workers import logged_losses
@@ -36,7 +37,8 @@ def test_exact_resume_and_reshard_on_load(tmp_path):
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(4, tmp_path, "full", TP2PP2 + [ckpt, "checkpoint.resume=none"])
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"
-    resume = [ckpt, "checkpoint.resume=3"]
+    # Rewinding to step 3 in the same checkpoint.dir: step_6 of the run before is moved aside.
+    resume = [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"]
     same = _train(4, tmp_path, "same", TP2PP2 + resume)
     assert same == full[3:], "same-layout resume must be bitwise identical"
     for name, nproc, layout in [("TP1xPP1", 1, []), ("TP1xPP2xDP2", 4, ["parallel.pipeline_parallel=2"])]:
@@ -51,18 +53,19 @@ def test_exact_resume_interleaved_distributed_optimizer_async_save(tmp_path):
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(2, tmp_path, "full", layout + [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"
-    resumed = _train(2, tmp_path, "resumed", layout + [ckpt, "checkpoint.resume=3"])
+    resumed = _train(2, tmp_path, "resumed", layout + [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"])
     assert resumed == full[3:]
 
 
 @pytest.mark.slow
 def test_async_save_at_dp2_resumes_exactly_and_at_tp2(tmp_path):
     # DP2 with the distributed optimizer: each rank holds half of the optimizer state, which
-    # the save gathers on DP rank 0 (pretrain/checkpointing/optimizer_state.py) and stages for the writer.
+    # the save gathers on DP rank 0 (pretrain/megatron_fixes/optimizer_save.py) and stages for the writer.
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(2, tmp_path, "full", [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
-    assert _train(2, tmp_path, "same", [ckpt, "checkpoint.resume=3"]) == full[3:]
-    got = _train(2, tmp_path, "tp2", ["parallel.tensor_parallel=2", ckpt, "checkpoint.resume=3"])
+    rewind = [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"]
+    assert _train(2, tmp_path, "same", rewind) == full[3:]
+    got = _train(2, tmp_path, "tp2", ["parallel.tensor_parallel=2", *rewind])
     for step, (a, b) in enumerate(zip(got, full[3:]), start=4):
         assert abs(a - b) <= 1e-5 * abs(b), f"TP2 step {step}: {a} vs {b}"
 
@@ -146,7 +149,7 @@ def test_sigkill_during_saves_leaves_a_resumable_latest(tmp_path):
         latest = ckpt / (ckpt / "latest").read_text().strip()
         assert (latest / "COMPLETE").is_file(), f"latest -> {latest} is not complete"
         config = resolve_config("tiny-llama", None, common)
-        assert resolve_resume(config, print) is not None
+        assert plan_resume(config, print).first is not None
     results = run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama", overrides=common + [
         "schedule.train_steps=" + str(int((ckpt / "latest").read_text().strip()[5:]) + 1),
         f"logging.run_dir={tmp_path / 'final'}"])
@@ -165,11 +168,11 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     (ckpt / "step_00000012" / "meta.json").write_text("{}")
     config = resolve_config("tiny-llama", None, BASE + [f"checkpoint.dir={ckpt}"])
     warnings = []
-    assert resolve_resume(config, warnings.append) == ckpt / "step_00000006"
+    assert plan_resume(config, warnings.append).first == ckpt / "step_00000006"
     assert any("incomplete checkpoint" in w and "step_00000012" in w for w in warnings)
     assert (ckpt / "latest").read_text().strip() == "step_00000006"
     with pytest.raises(CheckpointError, match="incomplete"):
-        resolve_resume(config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
+        plan_resume(config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
             update={"resume": str(ckpt / "step_00000012")})}), print)
     # Resuming with auto after the "crash" works and continues at step 7.
     results = run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama", overrides=BASE + [
@@ -178,33 +181,56 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert len(logged_losses(results)) == 1
 
 
+def _fake_checkpoints(ckpt, config, steps):
+    """Checkpoint folders that pass every check a stat can make (no model inside)."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from pretrain.checkpointing.checkpointer import training_meta
+    from pretrain.checkpointing.format import mark_complete, step_dir_name
+    from pretrain.checkpointing.integrity import collect_file_table
+
+    for step in steps:
+        directory = ckpt / step_dir_name(step)
+        directory.mkdir(parents=True)
+        (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+        torch.save({}, directory / "common.pt")
+        meta = training_meta(config, step, 1)
+        meta.files = collect_file_table(directory)
+        meta.write(directory)
+        mark_complete(directory)
+
+
 def test_resume_auto_follows_latest_and_falls_back_when_it_is_stale(tmp_path):
     """Training (checkpoint.resume=auto) and the tools pick the same checkpoint, through the
     one format module: the one `latest` names; the newest complete one, with a warning, when
-    `latest` names something missing or incomplete."""
+    `latest` names something missing or incomplete. A `latest` pointing back past newer
+    checkpoints is followed by the tools; training refuses to run over the newer ones."""
     from checkpoints_tools.common import resolve_checkpoint
-    from pretrain.checkpointing.checkpointer import training_meta
-    from pretrain.checkpointing.format import COMPLETE, mark_complete, step_dir_name, write_latest
+    from pretrain.checkpointing.format import COMPLETE, write_latest
 
     ckpt = tmp_path / "ckpt"
     config = resolve_config("tiny-llama", None, BASE + [f"checkpoint.dir={ckpt}"])
-    for step in (3, 6, 9):
-        (ckpt / step_dir_name(step)).mkdir(parents=True)
-        training_meta(config, step, 1).write(ckpt / step_dir_name(step))
-        mark_complete(ckpt / step_dir_name(step))
-    cases = [("step_00000006", "step_00000006", None),  # an older one on purpose: followed
+    _fake_checkpoints(ckpt, config, (3, 6, 9))
+    cases = [("step_00000009", "step_00000009", None),
              ("step_00000012", "step_00000009", "names 'step_00000012', which is not a complete checkpoint"),
              ("garbage\n\n", "step_00000009", "names 'garbage'")]
     for pointer, expected, warning in cases:
         write_latest(ckpt, pointer)
         warnings = []
-        assert resolve_resume(config, warnings.append) == ckpt / expected
+        assert plan_resume(config, warnings.append).first == ckpt / expected
         assert resolve_checkpoint(ckpt) == ckpt / expected
         assert (warning is None and not warnings) or any(warning in w for w in warnings), warnings
+    write_latest(ckpt, "step_00000006")  # pointed back on purpose
+    assert resolve_checkpoint(ckpt) == ckpt / "step_00000006"
+    with pytest.raises(CheckpointError, match="newer than this run starts from step 6.*step_00000009"):
+        plan_resume(config, print)
     (ckpt / "step_00000009" / COMPLETE).unlink()  # a damaged newest one
     write_latest(ckpt, "step_00000009")
     warnings = []
-    assert resolve_resume(config, warnings.append) == ckpt / "step_00000006"
+    assert plan_resume(config, warnings.append).first == ckpt / "step_00000006"
     assert any("incomplete checkpoint" in w for w in warnings) and any("not a complete" in w for w in warnings)
 
 
@@ -215,7 +241,7 @@ def test_resume_auto_follows_latest_and_falls_back_when_it_is_stale(tmp_path):
 def test_bad_resume_paths(tmp_path, resume, message):
     config = resolve_config("tiny-llama", None, BASE + [f"checkpoint.resume={resume.format(tmp=tmp_path)}"])
     with pytest.raises(CheckpointError, match=message):
-        resolve_resume(config, print)
+        plan_resume(config, print)
 
 
 def test_incompatible_model_is_refused_before_training(tmp_path):

@@ -173,7 +173,8 @@ def test_save_at_cp2_ep2_resume_at_cp1_ep1(moe_reference, tmp_path):
     full = logged_losses(_run(2, "tiny-moe", MOE + CP2 + EP2 + ckpt + ["checkpoint.resume=none"],
                               tmp_path / "full"))
     _assert_close("CP2xEP2", full, moe_reference["losses"])
-    resumed = logged_losses(_run(1, "tiny-moe", MOE + ckpt + ["checkpoint.resume=3"], tmp_path / "resumed"))
+    resumed = logged_losses(_run(1, "tiny-moe", MOE + ckpt + ["checkpoint.resume=3", "checkpoint.on_newer=move_aside"],
+                                 tmp_path / "resumed"))
     _assert_close("resumed at CP1xEP1", resumed, full[3:])
 
 

@@ -1,0 +1,143 @@
+"""Which checkpoint a run resumes from, and what happens to the checkpoints around it.
+
+Before any process group (`plan_resume`): the checkpoint `checkpoint.resume` names (or, for
+`auto`, the candidates in order: `latest`'s, then newest first), each passed over with a
+warning if it is incomplete or damaged in a way a stat finds (format.damage); an explicit
+path that fails is an error. Checkpoints NEWER than the resume point would be overwritten
+or mixed with this run's saves: `checkpoint.on_newer=refuse` (default) stops here, naming
+them; `move_aside` moves them into `<checkpoint.dir>/superseded-<time>/`.
+
+After the process group exists (`settle`): the checksums of the chosen checkpoint are
+verified (`checkpoint.verify_checksums`, default on), its files spread over the ranks; a
+damaged `auto` choice falls back to the next candidate with a warning and is moved aside
+as `damaged.<name>` so no later run trips over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from pretrain.checkpointing.format import (
+    CheckpointError,
+    CheckpointMeta,
+    complete_checkpoints,
+    damage,
+    is_complete,
+    looks_like_checkpoint,
+    step_dir_name,
+    usable_checkpoints,
+)
+from pretrain.checkpointing.integrity import checksum_problems
+from pretrain.config import ExperimentConfig
+
+
+@dataclasses.dataclass
+class ResumePlan:
+    candidates: list[Path]  # in order of preference; empty: start fresh
+    explicit: bool  # named by the user: never replaced by another
+    newer: list[Path]  # complete checkpoints past the first candidate's step (or any, fresh)
+    passed_over: list[Path]  # damaged ones `auto` skipped
+
+    @property
+    def first(self) -> Optional[Path]:
+        return self.candidates[0] if self.candidates else None
+
+
+def _explicit_path(config: ExperimentConfig, root: Optional[Path]) -> Path:
+    spec = str(config.checkpoint.resume)
+    path = Path(spec)
+    if spec.isdigit():
+        if root is None:
+            raise CheckpointError(f"checkpoint.resume={spec} is a step number but checkpoint.dir is unset")
+        path = root / step_dir_name(int(spec))
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; use checkpoint.resume=auto or a valid path")
+    if not looks_like_checkpoint(path):
+        raise CheckpointError(f"{path} is not a checkpoint (no meta.json / COMPLETE marker)")
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete (the save crashed before COMPLETE); "
+                              "resume from an earlier step or use checkpoint.resume=auto")
+    problems = damage(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}; resume from an earlier "
+                              "step (checkpoint.resume=auto picks the newest undamaged one)")
+    return path
+
+
+def plan_resume(config: ExperimentConfig, log: Callable[[str], None]) -> ResumePlan:
+    """Before any process group: the candidates, and the newer checkpoints they would clash with."""
+    spec = str(config.checkpoint.resume)
+    root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
+    passed_over: list[Path] = []
+    if spec == "none":
+        candidates, explicit = [], False
+    elif spec == "auto":
+        candidates = usable_checkpoints(root, log) if root is not None else []
+        complete = complete_checkpoints(root) if root is not None else []
+        passed_over = [p for p in complete if p not in candidates]
+        explicit = False
+    else:
+        candidates, explicit = [_explicit_path(config, root)], True
+    start = CheckpointMeta.read(candidates[0]).step if candidates else 0
+    newer = [p for p in (complete_checkpoints(root) if root is not None else [])
+             if p not in passed_over and CheckpointMeta.read(p).step > start]
+    if newer and config.checkpoint.on_newer == "refuse":
+        where = f"from step {start} ({candidates[0]})" if candidates else "from scratch"
+        raise CheckpointError(
+            f"{root} holds checkpoints newer than this run starts {where}: "
+            f"{', '.join(p.name for p in newer)}; this run would overwrite or interleave with them. "
+            "Resume from the newest (checkpoint.resume=auto), use another checkpoint.dir, or set "
+            "checkpoint.on_newer=move_aside to move them into a superseded-<time>/ folder")
+    return ResumePlan(candidates=candidates, explicit=explicit, newer=newer, passed_over=passed_over)
+
+
+def _checksum_problems_everywhere(path: Path) -> list[str]:
+    """Every rank hashes its share of the files; all ranks get every problem found."""
+    table = CheckpointMeta.read(path).files
+    if not table:
+        return []  # written before checksums existed: the size check is all there is
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = checksum_problems(path, table, sorted(table)[rank::world])
+    found: list = [None] * world
+    dist.all_gather_object(found, mine)
+    return [p for problems in found for p in problems]
+
+
+def _move_aside(paths: list[Path], destination: Callable[[Path], Path], log) -> None:
+    """Rank 0 renames each path to destination(path); every rank waits for it."""
+    if paths and dist.get_rank() == 0:
+        for path in paths:
+            target = destination(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(target)
+            log(f"moved {path} to {target}")
+    dist.barrier()
+
+
+def settle(plan: ResumePlan, config: ExperimentConfig, log: Callable[[str], None]) -> Optional[Path]:
+    """After the process group exists: verify checksums, fall back past damaged candidates,
+    move damaged and (with on_newer=move_aside) newer checkpoints aside; the checkpoint to load."""
+    root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
+    damaged = list(plan.passed_over)
+    chosen = None
+    for path in plan.candidates:
+        problems = _checksum_problems_everywhere(path) if config.checkpoint.verify_checksums else []
+        if not problems:
+            chosen = path
+            break
+        if plan.explicit:
+            raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}; resume from an "
+                                  "earlier step (checkpoint.resume=auto picks the newest undamaged one)")
+        log(f"warning: checkpoint {path} is damaged ({'; '.join(problems)}); falling back to an earlier one")
+        damaged.append(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if root is not None:
+        # Renamed out of the step_* namespace: no later run or tool takes them for checkpoints.
+        _move_aside([p for p in damaged if p.parent == root], lambda p: root / f"damaged.{p.name}.{stamp}", log)
+        _move_aside([p for p in plan.newer if p not in damaged], lambda p: root / f"superseded-{stamp}" / p.name, log)
+    return chosen

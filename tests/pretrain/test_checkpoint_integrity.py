@@ -1,0 +1,131 @@
+"""Nothing lost: damaged checkpoints are found (sizes always, checksums by default) and passed
+over for the previous one; newer checkpoints are never overwritten or deleted by a run that
+resumes from an older one; retention keeps what this run saved last."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed import REPO, run_ranks
+from tests.pretrain.workers import logged_losses
+
+pytestmark = [pytest.mark.distributed]
+
+BASE = ["schedule.seq_length=32", "schedule.micro_batch_size=2", "schedule.global_batch_size=2",
+        "data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
+        "logging.log_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Four steps, checkpoints at 2 and 4 (one rank), and the uninterrupted losses."""
+    root = tmp_path_factory.mktemp("integrity")
+    losses = logged_losses(run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama", overrides=BASE + [
+        "schedule.train_steps=4", "checkpoint.save_interval=2", f"checkpoint.dir={root / 'ckpt'}",
+        "checkpoint.resume=none", f"logging.run_dir={root / 'run'}"]))
+    return root / "ckpt", losses
+
+
+def _copy(trained, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained[0], ckpt)
+    return ckpt
+
+
+def _resume(ckpt, tmp_path, *extra, steps=4):
+    """python -m pretrain as a user runs it: (exit code, output)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pretrain", "--recipe", "tiny-llama", *BASE, f"schedule.train_steps={steps}",
+         f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path / 'run'}", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _losses(tmp_path) -> dict[int, float]:
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _flip(path, offset=4096, length=64 << 10):
+    data = bytearray(path.read_bytes())
+    data[offset:offset + length] = bytes(b ^ 0xFF for b in data[offset:offset + length])
+    path.write_bytes(bytes(data))
+
+
+def test_every_file_is_in_the_table_with_what_was_written(trained):
+    ckpt, _ = trained
+    for step in (2, 4):
+        directory = ckpt / f"step_{step:08d}"
+        table = json.loads((directory / "meta.json").read_text())["files"]
+        on_disk = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+        assert set(table) == on_disk - {"meta.json", "COMPLETE"}
+        import xxhash
+
+        for name, entry in table.items():  # an independent hash of every file
+            data = (directory / name).read_bytes()
+            assert entry == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name
+        assert not list(directory.rglob("*.xxh3"))  # the writers' notes are folded in and gone
+
+
+def test_flipped_bytes_in_the_newest_fall_back_to_the_previous_exactly(trained, tmp_path):
+    ckpt = _copy(trained, tmp_path)
+    shard = sorted((ckpt / "step_00000004").glob("*.distcp"))[0]
+    _flip(shard)
+    code, out = _resume(ckpt, tmp_path, f"checkpoint.resume={ckpt / 'step_00000004'}")
+    assert code == 2 and f"{shard.name} differs from what was written" in out and "Traceback" not in out, out
+    code, out = _resume(ckpt, tmp_path, "checkpoint.resume=auto")
+    assert code == 0, out
+    assert "step_00000004 is damaged" in out and "falling back" in out and "resumed from" in out, out
+    assert _losses(tmp_path) == {3: trained[1][2], 4: trained[1][3]}  # bitwise: the same run
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith("damaged.step_00000004")]
+    assert (ckpt / "latest").read_text().strip() == "step_00000004" and (ckpt / "step_00000004" / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "has 1000 bytes"),
+    ("meta", "meta.json is unreadable"),
+    ("common", "common.pt is missing"),
+])
+def test_cheaply_found_damage_is_refused_or_passed_over_before_training(trained, tmp_path, damage, message):
+    ckpt = _copy(trained, tmp_path)
+    newest = ckpt / "step_00000004"
+    if damage == "truncate":
+        shard = sorted(newest.glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[:1000])
+    elif damage == "meta":
+        (newest / "meta.json").write_text('{"step": 4, ')
+    else:
+        (newest / "common.pt").unlink()
+    code, out = _resume(ckpt, tmp_path, f"checkpoint.resume={newest}")
+    assert code == 2 and message in out and "Traceback" not in out, out
+    code, out = _resume(ckpt, tmp_path, "checkpoint.resume=auto", "schedule.train_steps=3")
+    assert code == 0 and f"skipping damaged checkpoint {newest}" in out and message in out, out
+    assert _losses(tmp_path) == {3: trained[1][2]}
+
+
+def test_resuming_from_an_older_step_never_deletes_or_overwrites_the_newer(trained, tmp_path):
+    """The reproduction from the issue: step_2 and step_4 present, resume=2, save every step,
+    keep_last=1, 3 steps: step 3 was saved and then deleted, `latest` left naming nothing."""
+    ckpt = _copy(trained, tmp_path)
+    args = ["checkpoint.resume=2", "checkpoint.save_interval=1", "checkpoint.keep_last=1"]
+    code, out = _resume(ckpt, tmp_path, *args, steps=3)
+    assert code == 2 and "newer than this run starts from step 2" in out and "step_00000004" in out, out
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000004"]
+    code, out = _resume(ckpt, tmp_path, *args, "checkpoint.on_newer=move_aside", steps=3)
+    assert code == 0, out
+    aside = list(ckpt.glob("superseded-*/step_00000004/COMPLETE"))
+    assert aside, out  # moved, whole
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000003"]  # keep_last=1: the newest
+    assert (ckpt / "latest").read_text().strip() == "step_00000003"
+    assert _losses(tmp_path) == {3: trained[1][2]}
+
+
+def test_a_fresh_run_into_a_used_checkpoint_dir_is_refused(trained, tmp_path):
+    ckpt = _copy(trained, tmp_path)
+    code, out = _resume(ckpt, tmp_path, "checkpoint.resume=none", steps=2)
+    assert code == 2 and "from scratch" in out and "step_00000002, step_00000004" in out, out
