@@ -35,7 +35,7 @@ from pretrain.metrics import (
 from pretrain.runtime import init_distributed, is_logging_rank, world_size_from_env
 from pretrain.checkpointing import checkpointer as checkpoint
 from pretrain.checkpointing.resume import plan_resume, settle
-from pretrain.signals import StopRequest
+from pretrain.signals import StopDuringSetup, StopRequest
 from pretrain.step import evaluate, train_step
 from pretrain.wrap import TrainingState, wrap_for_training
 
@@ -55,8 +55,8 @@ class Run:
 
 
 def setup(config: ExperimentConfig) -> Run:
-    # Handlers first: a SIGTERM/USR1 during start-up stops the run after its first step
-    # (with a checkpoint) instead of killing the rank.
+    # Handlers first: a SIGTERM/USR1 during setup ends it (StopDuringSetup: nothing trained,
+    # nothing to save; checked between phases once the process group exists), not the rank.
     stop = StopRequest(config.checkpoint.exit_after_minutes)
     world_size = world_size_from_env()
     validate_for_world(config, world_size)  # before any process group exists
@@ -66,6 +66,7 @@ def setup(config: ExperimentConfig) -> Run:
     if resume.first is not None:
         checkpoint.check_compatible(resume.first, config)
     env = init_distributed(config.parallel, seed=config.runtime.seed)
+    stop.check_setup()
     resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
     if resume_from is not None and resume_from != resume.first:
         checkpoint.check_compatible(resume_from, config)
@@ -79,10 +80,14 @@ def setup(config: ExperimentConfig) -> Run:
          env.rank == 0)
     chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}))
     state = wrap_for_training(chunks, config)
+    stop.check_setup()
     start_step = 0
     if resume_from is not None:
         start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0))
+        stop.check_setup()
     datasets = build_datasets(config, world_size)
+    stop.check_setup()
+    stop.training_started()
     peak = detect_device_peak(config.logging.device_peak, config.runtime.dtype, bool(config.runtime.fp8))
     sched = config.schedule
     return Run(
@@ -182,6 +187,11 @@ def main_train(config: ExperimentConfig) -> int:
         print_error(exc)
         shutdown()  # the process group, if the error came after it (a damaged checkpoint)
         return 2
+    except StopDuringSetup as exc:
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        info(f"[{config.name}] stopped during setup ({exc}), before step 1: nothing was trained or saved", rank0)
+        shutdown()
+        return 0
     try:
         history = train(run, run.start_step)
         if run.log_rank and history:
