@@ -210,9 +210,14 @@ def write_training_meta(out: Path, *, model: ModelConfig, layout: ParallelLayout
 def read_experiment_config(path: Path, model: ModelConfig) -> ExperimentConfig:
     """The checkpoint's resolved config.yaml (a default one around the model if absent)."""
     file = Path(path) / CONFIG
-    if file.is_file():
+    if not file.is_file():
+        return ExperimentConfig(model=model)
+    try:
         return ExperimentConfig.model_validate_json(json.dumps(yaml.safe_load(file.read_text())))
-    return ExperimentConfig(model=model)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as exc:  # ValidationError is a ValueError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ToolError(f"{file} is not a readable experiment config ({first}); the checkpoint is damaged, or "
+                        "was written by an incompatible version") from None
 
 
 # --- progress ------------------------------------------------------------------------

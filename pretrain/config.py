@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from models.config import ModelConfig
+from models.config import ModelConfig, get_flavor
 from models.layout import LayoutError, ParallelLayout, validate_layout
 from models.runtime import RuntimeOptions
 
@@ -216,8 +216,6 @@ def _read_yaml_file(yaml_file: str) -> dict:
 
 def _model_flavor(value: Any) -> dict:
     """`model=<flavor>`: the whole model section from a named flavor (models.config.FLAVORS)."""
-    from models.config import get_flavor
-
     if not isinstance(value, str):
         raise ConfigError(f"model={value!r}: give a flavor name (e.g. model=tiny-gpt) or set single fields "
                           "(model.num_layers=2)")

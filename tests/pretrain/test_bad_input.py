@@ -11,8 +11,10 @@ import pytest
 
 from tests.bad_input import expect_refusal
 
+# A short run, so that a refusal that comes too late (after training) shows as such, not as a hang.
 TINY = ["--recipe", "tiny-llama", "data.demo=false", "data.mock=true", "logging.tensorboard=false",
-        "checkpoint.resume=none", "runtime.spec=portable"]
+        "checkpoint.resume=none", "runtime.spec=portable", "schedule.train_steps=2", "schedule.micro_batch_size=2",
+        "schedule.global_batch_size=4", "schedule.seq_length=64", "schedule.eval_interval=0"]
 
 
 @pytest.fixture(scope="module")
