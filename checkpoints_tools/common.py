@@ -16,6 +16,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from data_pipeline.checks import positive_int, writable_dir_problem
 from models.config import ModelConfig
 from models.layout import LayoutError, ParallelLayout, validate_layout
 from models.runtime import DTYPE_NAMES, DTYPES  # noqa: F401 (import_hf uses DTYPE_NAMES from here)
@@ -104,7 +105,7 @@ def target_layout(model: ModelConfig, *, tp: int = 1, pp: int = 1, vpp: Optional
 def check_layout(model: ModelConfig, layout: ParallelLayout, world_size: Optional[int] = None) -> int:
     """Validate a layout for the model; returns the world size (default: the smallest that
     tiles both the dense grid TPxCPxPP and the expert grid ETPxEPxPP)."""
-    world = world_size or layout.min_world_size()
+    world = world_size if world_size is not None else layout.min_world_size()
     try:
         validate_layout(model, layout, world)
     except LayoutError as exc:
@@ -114,14 +115,14 @@ def check_layout(model: ModelConfig, layout: ParallelLayout, world_size: Optiona
 
 def add_layout_arguments(parser) -> None:
     group = parser.add_argument_group("target layout (validated against the model)")
-    group.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    group.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    group.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per PP rank")
-    group.add_argument("--cp", type=int, default=1, help="context parallel size")
-    group.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
-    group.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: TP)")
+    group.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size")
+    group.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel size")
+    group.add_argument("--vpp", type=positive_int, default=None, help="virtual pipeline chunks per PP rank")
+    group.add_argument("--cp", type=positive_int, default=1, help="context parallel size")
+    group.add_argument("--ep", type=positive_int, default=1, help="expert parallel size (MoE)")
+    group.add_argument("--etp", type=positive_int, default=None, help="expert tensor parallel size (default: TP)")
     group.add_argument("--sequence-parallel", action="store_true", help="record sequence parallelism (TP>1)")
-    group.add_argument("--world-size", type=int, default=None,
+    group.add_argument("--world-size", type=positive_int, default=None,
                        help="world size to record (default: one data-parallel replica)")
 
 
@@ -159,6 +160,9 @@ def staged_output(dst: Path, *, overwrite: bool, protect: tuple[Path, ...] = (),
     `protect`: inputs that `dst` must not be, contain, or sit inside.
     """
     dst = Path(dst).absolute()
+    problem = writable_dir_problem(str(dst.parent))
+    if problem:
+        raise ToolError(f"cannot write the {what} directory {dst}: {problem}")
     for src in protect:
         src = Path(src).resolve()
         real = dst.resolve()
@@ -206,9 +210,14 @@ def write_training_meta(out: Path, *, model: ModelConfig, layout: ParallelLayout
 def read_experiment_config(path: Path, model: ModelConfig) -> ExperimentConfig:
     """The checkpoint's resolved config.yaml (a default one around the model if absent)."""
     file = Path(path) / CONFIG
-    if file.is_file():
+    if not file.is_file():
+        return ExperimentConfig(model=model)
+    try:
         return ExperimentConfig.model_validate_json(json.dumps(yaml.safe_load(file.read_text())))
-    return ExperimentConfig(model=model)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as exc:  # ValidationError is a ValueError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ToolError(f"{file} is not a readable experiment config ({first}); the checkpoint is damaged, or "
+                        "was written by an incompatible version") from None
 
 
 # --- progress ------------------------------------------------------------------------
@@ -223,14 +232,12 @@ def byte_progress(enabled: bool) -> Progress:
 
 
 def run_cli(main_body) -> int:
-    """Run a CLI body; bad-input errors (ours and the format readers') print `error: ...`
-    and exit 2."""
+    """Run a CLI body through data_pipeline.checks.run_cli: bad-input errors (ours and the
+    format readers') print `error: ...` and exit 2; a full disk is one line, exit 1."""
     from checkpoints_tools.dcp_io import CheckpointFormatError
     from checkpoints_tools.hf_format import HFConfigError
     from checkpoints_tools.safetensors_io import HFFormatError
 
-    try:
-        return main_body()
-    except (ToolError, CheckpointFormatError, HFConfigError, HFFormatError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    from data_pipeline.checks import run_cli as run
+
+    return run(main_body, bad_input=(ToolError, CheckpointFormatError, HFConfigError, HFFormatError))

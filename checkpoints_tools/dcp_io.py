@@ -238,6 +238,15 @@ class _LazyPlanner:
         return own_storage_alias(tensor.to(self.dtypes[item.index.fqn]).contiguous())
 
 
+class _Writer(FileSystemWriter):
+    def storage_meta(self):
+        # torch records the writer's path in .metadata as a pathlib object: here the staging
+        # folder, moved away right after, and a class the safe .metadata reader
+        # (megatron_fixes.checkpointing) refuses, so the tools' outputs were unreadable.
+        # Nothing reads it back (loading needs only state_dict_metadata and storage_data).
+        return None
+
+
 def write_checkpoint(
     out: Path,
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list]],
@@ -266,7 +275,7 @@ def write_checkpoint(
     # upstream reads each layer once. Two threads (files) overlap serialization with
     # writing, but DCP balances their buckets by size, so they drift apart by layers and
     # re-read some (measured on 2 busy cores: no faster, 5 of 27 layers read twice).
-    writer = FileSystemWriter(str(out), single_file_per_rank=True, sync_files=True, thread_count=threads)
+    writer = _Writer(str(out), single_file_per_rank=True, sync_files=True, thread_count=threads)
     writer.fs = _HashingFileSystem()  # shards hashed as written, as training's saves are
     writer.set_up_storage_writer(True)
     plans, metadata = create_default_global_save_plan([writer.prepare_local_plan(SavePlan(items))])

@@ -214,7 +214,10 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"size {text!r}: write e.g. 5GB, 500MB or 2GiB")
     unit = (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
-    return int(float(match.group(1)) * scale)
+    size = int(float(match.group(1)) * scale)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least one byte, e.g. 5GB")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from pydantic import ValidationError
 
 from models.config import ModelConfig
 from checkpoints_tools.mapping import hf_family
@@ -177,24 +178,51 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         problems.append(f"pretraining_tp={config['pretraining_tp']} (expected 1)")
     if problems:
         raise HFConfigError(f"config.json of {arch} uses features we cannot reproduce: " + "; ".join(problems))
-    heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    head_dim = config.get("head_dim") or hidden // heads
+    heads, hidden = _int(config, "num_attention_heads"), _int(config, "hidden_size")
+    head_dim = _int(config, "head_dim", None) or hidden // max(heads, 1)
     moe = arch == "MixtralForCausalLM"
     kwargs = dict(
-        num_layers=config["num_hidden_layers"], hidden_size=hidden, ffn_hidden_size=config["intermediate_size"],
-        num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads") or heads,
-        kv_channels=None if head_dim * heads == hidden else head_dim, vocab_size=config["vocab_size"],
-        make_vocab_size_divisible_by=vocab_multiple, max_seq_length=config.get("max_position_embeddings", 4096),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        **_rope(config), init_std=float(config.get("initializer_range", 0.02)),
+        num_layers=_int(config, "num_hidden_layers"), hidden_size=hidden,
+        ffn_hidden_size=_int(config, "intermediate_size"), num_attention_heads=heads,
+        num_query_groups=_int(config, "num_key_value_heads", None) or heads,
+        kv_channels=None if head_dim * heads == hidden else head_dim, vocab_size=_int(config, "vocab_size"),
+        make_vocab_size_divisible_by=vocab_multiple,
+        max_seq_length=_int(config, "max_position_embeddings", 4096),
+        norm_eps=_float(config, "rms_norm_eps", 1e-6), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **_rope(config), init_std=_float(config, "initializer_range", 0.02),
     )
     if moe:
-        kwargs.update(num_experts=config["num_local_experts"], moe_router_topk=config.get("num_experts_per_tok", 2),
-                      moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.01)))
+        kwargs.update(num_experts=_int(config, "num_local_experts"), moe_router_topk=_int(config, "num_experts_per_tok", 2),
+                      moe_aux_loss_coeff=_float(config, "router_aux_loss_coef", 0.01))
     try:
         return ModelConfig(**kwargs)
-    except ValueError as exc:
-        raise HFConfigError(f"config.json does not describe a consistent model: {exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise HFConfigError(f"config.json does not describe a consistent model: {where}: {first['msg']} "
+                            f"(got {first.get('input')!r})") from None
+
+
+_REQUIRED = object()
+
+
+def _int(config: dict, name: str, default=_REQUIRED) -> Optional[int]:
+    """An integer field of config.json; HFConfigError names a missing or mistyped one."""
+    if name not in config or config[name] is None:
+        if default is _REQUIRED:
+            raise HFConfigError(f"config.json lacks {name!r}")
+        return default
+    value = config[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HFConfigError(f"config.json: {name} must be an integer, got {value!r}")
+    return value
+
+
+def _float(config: dict, name: str, default: float) -> float:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HFConfigError(f"config.json: {name} must be a number, got {value!r}")
+    return float(value)
 
 
 # --- tokenizer files ---------------------------------------------------------------------

@@ -55,6 +55,7 @@ from checkpoints_tools.mapping import (
 )
 from checkpoints_tools.reshard import LayerCache
 from checkpoints_tools.safetensors_io import HFFormatError, HFWeights
+from data_pipeline.checks import positive_int
 from models.config import ModelConfig
 from models.layout import ParallelLayout
 from pretrain.config import ExperimentConfig
@@ -67,10 +68,15 @@ def read_hf_config(src: Path, vocab_multiple: int = 128) -> tuple[dict, ModelCon
     file = Path(src) / "config.json"
     if not file.is_file():
         raise ToolError(f"{src} is not a Hugging Face model directory (no config.json)")
-    config = json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ToolError(f"{file} is not readable JSON ({exc}); copy the model directory again") from None
+    if not isinstance(config, dict) or not isinstance(config.get("architectures", []), list):
+        raise ToolError(f"{file} must hold a JSON object with a list of architectures, like transformers writes")
     try:
         return config, model_from_hf_config(config, vocab_multiple=vocab_multiple)
-    except (HFConfigError, KeyError) as exc:
+    except HFConfigError as exc:
         raise ToolError(f"{file}: {exc}") from None
 
 
@@ -166,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("dst", type=Path, help="output checkpoint directory (resume with checkpoint.resume=DST)")
     add_layout_arguments(parser)
     add_output_arguments(parser, dtype_help="weight dtype (default: the HF weights')")
-    parser.add_argument("--vocab-multiple", type=int, default=128,
+    parser.add_argument("--vocab-multiple", type=positive_int, default=128,
                         help="pad the vocabulary to a multiple of this (model.make_vocab_size_divisible_by)")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow pickled *.bin weights (they can run code when unpickled: trusted sources only)")

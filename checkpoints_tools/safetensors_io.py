@@ -136,11 +136,16 @@ class HFWeights:
         file = self.files[name]
         if file != self._open_file:
             self._close()
-            if file.suffix == ".safetensors":
-                self._handle = safe_open(str(file), framework="pt")
-                self._handle.__enter__()
-            else:
-                self._handle = self._load_pickle(file)
+            try:
+                if file.suffix == ".safetensors":
+                    self._handle = safe_open(str(file), framework="pt")
+                    self._handle.__enter__()
+                else:
+                    self._handle = self._load_pickle(file)
+            except Exception as exc:  # safetensors' and torch's own error types for a damaged file
+                raise HFFormatError(f"{file} is not a readable weight file ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}); copy the model "
+                                    "directory again") from None
             self._open_file = file
         return self._handle
 

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from checkpoints_tools.common import ToolError, add_input_arguments, checkpoint_model, resolve_checkpoint, run_cli
+from data_pipeline.checks import finite_float, positive_int
 from models.layout import ParallelLayout
 
 
@@ -100,10 +101,31 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         import transformers
     except ImportError:
         raise ToolError("verify needs transformers: pip install '.[test]' (or transformers==5.23.0)") from None
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - transformers' many error types on a damaged directory
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise ToolError(f"transformers cannot load {hf_dir} ({type(exc).__name__}: {lines[0] if lines else ''}"
+                        f"{' ...' if len(lines) > 1 else ''}): its config.json and weights disagree or a file "
+                        "is damaged; export it again") from None
     hf.eval()
     with torch.no_grad():
         return hf(input_ids=tokens).logits.float()
+
+
+def check_same_model(hf_dir: Path, model) -> None:
+    """The HF directory's config.json describes the checkpoint's model (before any weight
+    is read): comparing logits of two different models says nothing."""
+    from checkpoints_tools.import_hf import read_hf_config
+
+    _, theirs = read_hf_config(hf_dir, model.make_vocab_size_divisible_by)
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "vocab_size", "num_experts",
+              "tie_embeddings")
+    diffs = [f"{name} {getattr(model, name)} vs {getattr(theirs, name)}" for name in fields
+             if getattr(model, name) != getattr(theirs, name)]
+    if diffs:
+        raise ToolError(f"{hf_dir} does not hold this checkpoint's model (checkpoint vs config.json: "
+                        f"{', '.join(diffs)}); pass the checkpoint's own export")
 
 
 def compare(ours: torch.Tensor, theirs: torch.Tensor, vocab_size: int) -> dict:
@@ -142,6 +164,7 @@ def verify(checkpoint: Path, hf_dir: Path, *, tolerance: float = 1e-4, min_agree
     _, model = checkpoint_model(checkpoint)
     if not (Path(hf_dir) / "config.json").is_file():
         raise ToolError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    check_same_model(Path(hf_dir), model)
     tokens = make_tokens(Path(hf_dir), model.vocab_size, text=text, batch=batch, seq=seq, seed=seed)
     _check_length(tokens, model.max_seq_length)
     theirs = hf_logits(Path(hf_dir), tokens)
@@ -152,16 +175,30 @@ def verify(checkpoint: Path, hf_dir: Path, *, tolerance: float = 1e-4, min_agree
     return report
 
 
+def nonnegative_float(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value:g}")
+    return value
+
+
+def share(text: str) -> float:
+    value = finite_float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value:g}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m checkpoints_tools.verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="checkpoint step directory, or a checkpoint.dir (newest)")
     parser.add_argument("hf_dir", type=Path, help="Hugging Face model directory")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| allowed")
-    parser.add_argument("--min-agreement", type=float, default=1.0, help="min greedy next-token agreement")
+    parser.add_argument("--tolerance", type=nonnegative_float, default=1e-4, help="max |logit difference| allowed")
+    parser.add_argument("--min-agreement", type=share, default=1.0, help="min greedy next-token agreement")
     parser.add_argument("--text", help="encode this text with the HF tokenizer (default: random tokens)")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
     add_input_arguments(parser)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 
 from data_pipeline.tokenizers import Tokenizer
@@ -43,12 +44,36 @@ def _import_megatron_datasets():
     return BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig, MockGPTDataset
 
 
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """"969,30,1" -> the (train, validation, test) fractions. Up to three non-negative
+    numbers separated by commas (missing parts are 0), the train part above 0. Stricter
+    than Megatron's parser, which reads any digits in the string ("abc" -> an assertion
+    at dataset build time, "-1,1,0" -> 1,1,0)."""
+    parts = [p.strip() for p in str(split).split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(parts) <= 3 or len(values) != len(parts) or not all(
+            math.isfinite(v) and v >= 0 for v in values):
+        raise DatasetConfigError(f"split={split!r} is not up to three non-negative numbers separated by "
+                                 "commas (train, validation, test), e.g. 969,30,1")
+    values += [0.0] * (3 - len(values))
+    if values[0] <= 0:
+        raise DatasetConfigError(f"split={split!r} gives the train part 0; e.g. 969,30,1")
+    total = sum(values)
+    return tuple(v / total for v in values)
+
+
 def check_blend(blend: list[tuple[float, str]], tokenizer: Tokenizer) -> None:
-    """Every prefix exists, weights are positive, and each dataset fits the tokenizer."""
+    """Every prefix exists and is intact, weights are positive, and each dataset fits the
+    tokenizer."""
     import numpy as np
 
-    from data_pipeline.indexed_writer import read_manifest
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, _IndexReader
+    from data_pipeline.indexed_writer import DatasetFileError, open_index, read_manifest
 
     if not blend:
         raise DatasetConfigError("blend is empty; give [(weight, prefix), ...] or use mock data")
@@ -56,12 +81,12 @@ def check_blend(blend: list[tuple[float, str]], tokenizer: Tokenizer) -> None:
         if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
             raise DatasetConfigError(f"blend entry {entry!r} is not (weight, prefix)")
         weight, prefix = entry
-        if not isinstance(weight, (int, float)) or weight <= 0:
+        if not isinstance(weight, (int, float)) or not weight > 0 or not math.isfinite(weight):
             raise DatasetConfigError(f"blend weight {weight!r} for {prefix!r} must be a number > 0")
-        if not IndexedDataset.exists(prefix):
-            raise DatasetConfigError(f"no dataset at prefix {prefix!r} ({prefix}.bin/.idx not "
-                                     "found); create it with python -m data_pipeline.preprocess")
-        stored = _IndexReader(prefix + ".idx", multimodal=False).dtype
+        try:
+            stored = open_index(prefix).dtype
+        except DatasetFileError as exc:
+            raise DatasetConfigError(str(exc)) from None
         if tokenizer.vocab_size - 1 > np.iinfo(stored).max:
             raise DatasetConfigError(f"{prefix} stores {stored.__name__} tokens but the tokenizer "
                                      f"has {tokenizer.vocab_size} ids; re-run preprocess with it")
@@ -71,6 +96,69 @@ def check_blend(blend: list[tuple[float, str]], tokenizer: Tokenizer) -> None:
             raise DatasetConfigError(
                 f"{prefix} was tokenised with {manifest.get('tokenizer_spec')!r}, not "
                 f"the training tokenizer {tokenizer.spec!r}; re-run preprocess or fix the config")
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: unknown, no bound
+        return 1 << 62
+
+
+def _source_sizes(blend, mock: bool, vocab_size: int) -> list[tuple[str, float, int, int]]:
+    """(name, weight, documents, tokens) of every source the builder would index."""
+    from data_pipeline.indexed_writer import open_index
+
+    if mock:
+        import types
+
+        _import_megatron_datasets()  # the package import, without its TE/Apex warning
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+        low = MockGPTLowLevelDataset(types.SimpleNamespace(vocab_size=vocab_size, eod=0))
+        return [("mock data", 1.0, len(low), int(low.sequence_lengths.sum()) + len(low))]
+    sizes = []
+    for weight, prefix in blend:
+        index = open_index(prefix)
+        sizes.append((prefix, float(weight), len(index.document_indices) - 1,
+                      int(index.sequence_lengths.sum(dtype="int64"))))
+    return sizes
+
+
+def check_sample_budget(*, blend, mock: bool, split: str, seq_length: int, num_samples: tuple[int, int, int],
+                        vocab_size: int) -> None:
+    """Refuse a request for far more samples than the data can give.
+
+    Megatron-Core's GPTDataset repeats a source until it covers the samples asked of it:
+    it counts the epochs one by one and builds, in memory, a document index of epochs x
+    documents and sample/shuffle indices of ~24 bytes per sample. Asking 10^12 steps
+    spins there for hours, then runs out of memory. Here the same sizes are computed
+    directly (as the builder splits them: weights normalised, +0.5% margin) and refused
+    when the indices alone would exceed this machine's memory.
+    """
+    fractions = parse_split(split)
+    sources = _source_sizes(blend, mock, vocab_size)
+    total_weight = sum(w for _, w, _, _ in sources)
+    memory = _memory_bytes()
+    need, worst = 0, None
+    for part, samples in enumerate(num_samples):
+        if not samples or not fractions[part]:
+            continue
+        for name, weight, documents, tokens in sources:
+            share = samples if len(sources) == 1 else math.ceil(samples * weight / total_weight * 1.005)
+            split_docs = max(1, round(documents * fractions[part]))
+            split_tokens = max(1, tokens * fractions[part])
+            epochs = math.ceil((share * seq_length + 1) / split_tokens)
+            bytes_ = 4 * epochs * split_docs + 24 * share
+            need += bytes_
+            if worst is None or bytes_ > worst[0]:
+                worst = (bytes_, SPLIT_NAMES[part], share, name, int(split_tokens), epochs)
+    if need > memory:
+        bytes_, part, share, name, split_tokens, epochs = worst
+        raise DatasetConfigError(
+            f"{share:,} {part} samples of {seq_length} tokens from {name} ({split_tokens:,} tokens in its "
+            f"{part} split) would repeat it {epochs:,} times, and Megatron's sample indices would need "
+            f"{need / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory")
 
 
 def build_gpt_datasets(*, blend: list[tuple[float, str]] | None, split: str, seq_length: int,
@@ -94,6 +182,8 @@ def build_gpt_datasets(*, blend: list[tuple[float, str]] | None, split: str, seq
         if blend is None:
             raise DatasetConfigError("blend is None: give [(weight, prefix), ...] or mock=True")
         check_blend(blend, tokenizer)
+    check_sample_budget(blend=blend, mock=mock, split=split, seq_length=seq_length, num_samples=num_samples,
+                        vocab_size=tokenizer.vocab_size)
     if cache_dir is not None:
         os.makedirs(cache_dir, exist_ok=True)
     if mock:

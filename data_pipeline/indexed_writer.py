@@ -50,6 +50,10 @@ class OutputError(ValueError):
     """An output that cannot be written; the message names the path and the fix."""
 
 
+class DatasetFileError(ValueError):
+    """A dataset whose files are missing, damaged or do not belong together."""
+
+
 def token_dtype(vocab_size: int) -> type:
     """Megatron's choice: uint16 below 65500 ids, else int32 (a 128k vocabulary needs int32)."""
     return DType.optimal_dtype(vocab_size)
@@ -76,14 +80,57 @@ def partial_paths(prefix: str) -> list[str]:
 
 def check_output_prefix(prefix: str) -> None:
     """Fail before any work if the prefix's directory is missing or not writable."""
+    from data_pipeline.checks import writable_dir_problem
+
     directory = os.path.dirname(os.path.abspath(prefix))
     if not os.path.isdir(directory):
         raise OutputError(f"output directory {directory!r} does not exist; create it first "
                           f"(mkdir -p {directory})")
-    if not os.access(directory, os.W_OK):
-        raise OutputError(f"output directory {directory!r} is not writable")
+    problem = writable_dir_problem(directory)
+    if problem:
+        raise OutputError(f"output directory {directory!r} is not writable: {problem}")
     if os.path.basename(prefix) in ("", ".", ".."):
         raise OutputError(f"output prefix {prefix!r} must end in a file name, e.g. {prefix}/corpus")
+
+
+def open_index(prefix: str):
+    """Megatron's index reader for the dataset at `prefix`, after checking that both files
+    exist, the .idx reads, and the .bin holds exactly the bytes the index points into.
+
+    A .bin cut short (a copy that stopped, a full disk) otherwise passes every reader and
+    fails at the first batch that reaches its end; one with extra bytes is not the .bin
+    this .idx was written with. Costs a stat, not a read of the .bin.
+    """
+    import struct
+
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    bin_path, idx_path = get_bin_path(prefix), get_idx_path(prefix)
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise DatasetFileError(f"no dataset at prefix {prefix!r} ({path} not found); create it "
+                                   "with python -m data_pipeline.preprocess")
+    try:
+        index = _IndexReader(idx_path, multimodal=False)
+        lengths, pointers = index.sequence_lengths, index.sequence_pointers
+        documents = index.document_indices
+        consistent = len(documents) >= 1 and documents[-1] == len(lengths) and documents[0] == 0
+    except (ValueError, struct.error, AssertionError, IndexError, OSError) as exc:
+        raise DatasetFileError(f"{idx_path} is damaged ({type(exc).__name__}: {exc}); re-create the "
+                               f"dataset with python -m data_pipeline.preprocess") from None
+    if not consistent:
+        raise DatasetFileError(f"{idx_path} is damaged (its document index does not cover its "
+                               f"{len(lengths):,} sequences); re-create the dataset")
+    expected = int(pointers[-1]) + int(lengths[-1]) * DType.size(index.dtype) if len(lengths) else 0
+    actual = os.path.getsize(bin_path)
+    if actual < expected:
+        raise DatasetFileError(f"{bin_path} is truncated: {actual:,} bytes, but its index {idx_path} "
+                               f"describes {expected:,}; copy it again or re-create the dataset")
+    if actual > expected:
+        raise DatasetFileError(f"{bin_path} has {actual:,} bytes, {actual - expected:,} more than its index "
+                               f"{idx_path} describes: the two files are not from the same run; "
+                               "re-create the dataset")
+    return index
 
 
 def read_manifest(prefix: str) -> dict | None:

@@ -28,10 +28,9 @@ def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
 
 def summarize(prefix: str) -> dict:
     """Counts and statistics of the dataset at `prefix`, read through Megatron's reader."""
-    from data_pipeline.indexed_writer import IndexedDataset, read_manifest
+    from data_pipeline.indexed_writer import IndexedDataset, open_index, read_manifest
 
-    if not IndexedDataset.exists(prefix):
-        raise FileNotFoundError(f"no dataset at {prefix!r} ({prefix}.bin/.idx not found)")
+    open_index(prefix)  # DatasetFileError: missing, damaged, or a .bin of the wrong size
     dataset = IndexedDataset(prefix)
     doc_bounds = dataset.document_indices
     seq_lengths = dataset.sequence_lengths.astype(np.int64)
@@ -99,7 +98,8 @@ def _sequences(dataset, block: int = 4096):
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from data_pipeline.indexed_writer import strip_extension
+    from data_pipeline.checks import nonnegative_int, run_cli
+    from data_pipeline.indexed_writer import DatasetFileError, strip_extension
     from data_pipeline.tokenizers import TokenizerLoadError, load_tokenizer
 
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.inspect",
@@ -107,21 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("prefix", help="dataset prefix (PREFIX.bin / PREFIX.idx)")
     parser.add_argument("--tokenizer", "-t", default=None,
                         help="decode with this tokenizer (default: the one in the manifest)")
-    parser.add_argument("--docs", "-n", type=int, default=3, help="documents to decode")
-    parser.add_argument("--max-chars", type=int, default=600, help="characters shown per document")
+    parser.add_argument("--docs", "-n", type=nonnegative_int, default=3, help="documents to decode")
+    parser.add_argument("--max-chars", type=nonnegative_int, default=600, help="characters shown per document")
     parser.add_argument("--scan-ids", action="store_true", help="report the largest token id")
     args = parser.parse_args(argv)
-    console = Console()
-    prefix = strip_extension(args.prefix)
-    try:
-        info = summarize(prefix)
+
+    def body() -> int:
+        info = summarize(strip_extension(args.prefix))
         spec = args.tokenizer or info["manifest"].get("tokenizer_spec")
         tokenizer = load_tokenizer(spec) if spec else None
-    except (FileNotFoundError, TokenizerLoadError) as err:
-        console.print(f"[red]error:[/red] {err}", highlight=False)
-        return 1
-    _print_report(console, info, tokenizer, args.docs, args.max_chars, args.scan_ids)
-    return 0
+        _print_report(Console(), info, tokenizer, args.docs, args.max_chars, args.scan_ids)
+        return 0
+
+    return run_cli(body, bad_input=(DatasetFileError, TokenizerLoadError))
 
 
 if __name__ == "__main__":

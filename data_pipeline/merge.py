@@ -45,12 +45,12 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
 
     from data_pipeline.indexed_writer import (
         AtomicIndexedDataset,
-        IndexedDataset,
+        DatasetFileError,
         check_output_prefix,
+        open_index,
         output_exists,
         read_manifest,
     )
-    from megatron.core.datasets.indexed_dataset import _IndexReader
 
     prefixes = resolve_prefixes(inputs)
     check_output_prefix(output_prefix)
@@ -59,9 +59,10 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
     for prefix in prefixes:
         if os.path.realpath(prefix) == out_real:
             raise MergeError(f"output {output_prefix!r} is also an input; choose another prefix")
-        if not IndexedDataset.exists(prefix):
-            raise MergeError(f"no dataset at {prefix!r} ({prefix}.bin/.idx not found)")
-        index = _IndexReader(prefix + ".idx", multimodal=False)
+        try:
+            index = open_index(prefix)  # missing, damaged or truncated inputs are refused
+        except DatasetFileError as exc:
+            raise MergeError(str(exc)) from None
         dtypes[prefix] = index.dtype
         documents += len(index.document_indices) - 1
         tokens += int(index.sequence_lengths.sum(dtype="int64"))
@@ -89,17 +90,24 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
     with Progress(TextColumn("[bold]merging"), BarColumn(), TaskProgressColumn(),
                   TimeElapsedColumn(), console=console, disable=not progress) as bar:
         task = bar.add_task("merge", total=sum(sizes))
-        with AtomicIndexedDataset(output_prefix, next(iter(dtypes.values()))) as out:
-            for prefix, size in zip(prefixes, sizes):
-                out.builder.add_index(prefix)  # Megatron's own concatenation
-                bar.advance(task, size)
-            out.commit(manifest)
+        try:
+            with AtomicIndexedDataset(output_prefix, next(iter(dtypes.values()))) as out:
+                for prefix, size in zip(prefixes, sizes):
+                    out.builder.add_index(prefix)  # Megatron's own concatenation
+                    bar.advance(task, size)
+                out.commit(manifest)
+        except OSError as exc:  # a full disk, a file-size limit: the temporaries are gone
+            from data_pipeline.checks import WorkFailed, describe_os_error
+
+            raise WorkFailed(f"writing {output_prefix}.bin/.idx failed: {describe_os_error(exc)}; no output "
+                             "was left that looks valid (temporary files removed)") from None
     return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
+    from data_pipeline.checks import run_cli
     from data_pipeline.indexed_writer import OutputError
 
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.merge",
@@ -111,19 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     started = time.perf_counter()
-    try:
+
+    def body() -> int:
         manifest = merge(args.inputs, args.output_prefix, overwrite=args.overwrite,
                          progress=not args.no_progress, console=console)
-    except (MergeError, OutputError) as err:
-        console.print(f"[red]error:[/red] {err}", highlight=False)
-        return 1
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/red]: no output was written")
-        return 130
-    console.print(f"merged {len(manifest['merged_from'])} datasets: {manifest['documents']:,} "
-                  f"documents, {manifest['tokens']:,} tokens ({manifest['dtype']}) into "
-                  f"{args.output_prefix} in {time.perf_counter() - started:.1f} s", highlight=False)
-    return 0
+        console.print(f"merged {len(manifest['merged_from'])} datasets: {manifest['documents']:,} "
+                      f"documents, {manifest['tokens']:,} tokens ({manifest['dtype']}) into "
+                      f"{args.output_prefix} in {time.perf_counter() - started:.1f} s", highlight=False)
+        return 0
+
+    return run_cli(body, bad_input=(MergeError, OutputError), on_interrupt="interrupted: no output was written")
 
 
 if __name__ == "__main__":

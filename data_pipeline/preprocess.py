@@ -27,10 +27,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from data_pipeline.checks import nonnegative_int, positive_int
 from data_pipeline.sources import InputError, InputFile, check_readable, iter_chunks, resolve_inputs
 from data_pipeline.tokenizers import TokenizerLoadError, absolute_spec, load_tokenizer
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+# A tokenizer holds a whole document at once, at many times its size: one 50 MB document
+# peaked at 2.7 GB with SentencePiece (0.34 GB for the same text as 20 kB documents), 0.64
+# GB with Llama-3's tiktoken (data_pipeline.benchmark's sampler; README). Longer documents
+# are bad records, so memory per worker stays bounded whatever the input holds.
+DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 MAX_EXAMPLES = 10  # bad records quoted in the summary
 
 
@@ -114,10 +120,13 @@ def _stem(path: str) -> str:
     return name
 
 
-def _request(job: _Job, tokenizer, text_field: str, append_eod: bool, skip_bad: bool) -> dict:
+def _request(job: _Job, tokenizer, text_field: str, append_eod: bool, skip_bad: bool,
+             max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> dict:
     """Everything the output bytes depend on; equal requests give equal bytes. The
-    tokenizer counts by content, so another path to the same file is the same request."""
-    return {
+    tokenizer counts by content, so another path to the same file is the same request.
+    The document-size limit changes the bytes only when too-long documents are skipped
+    (without --skip-bad-records one stops the run), so only then is it part of it."""
+    request = {
         "tokenizer": dict(tokenizer.unique_identifiers),
         "text_field": text_field,
         "append_eod": append_eod,
@@ -125,13 +134,16 @@ def _request(job: _Job, tokenizer, text_field: str, append_eod: bool, skip_bad: 
         "inputs": [{"path": os.path.abspath(s.path), "size": s.size, "mtime_ns": s.mtime_ns}
                    for s in job.sources],
     }
+    if skip_bad and max_document_bytes != DEFAULT_MAX_DOCUMENT_BYTES:
+        request["max_document_bytes"] = max_document_bytes
+    return request
 
 
 def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None = None,
                output_dir: str | None = None, text_field: str = "text", append_eod: bool = False,
                workers: int | None = None, skip_bad_records: bool = False, overwrite: bool = False,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = False,
-               console=None) -> RunSummary:
+               max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, console=None) -> RunSummary:
     """Tokenise `inputs` into indexed dataset(s); see the module docstring.
 
     Every check that can fail fast (inputs, outputs, tokenizer) runs before any
@@ -151,6 +163,8 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         raise PreprocessError(f"--workers must be >= 0 (0: tokenise in this process), got {workers}")
     if chunk_bytes < 1:
         raise PreprocessError(f"--chunk-bytes must be >= 1, got {chunk_bytes}")
+    if max_document_bytes < 1:
+        raise PreprocessError(f"--max-document-bytes must be >= 1, got {max_document_bytes}")
     sources = resolve_inputs(inputs)
     jobs = plan_outputs(sources, output_prefix, output_dir)
     tok = load_tokenizer(tokenizer)
@@ -165,7 +179,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     stats = [OutputStats(job.prefix, up_to_date=True) for job in jobs]
     todo = []
     for index, job in enumerate(jobs):
-        request = _request(job, tok, text_field, append_eod, skip_bad_records)
+        request = _request(job, tok, text_field, append_eod, skip_bad_records, max_document_bytes)
         manifest = read_manifest(job.prefix)
         if manifest is not None and manifest.get("request") == request:
             continue
@@ -176,7 +190,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
 
     if todo:
         config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
-                              skip_bad_records)
+                              skip_bad_records, max_document_bytes)
         n_workers = _available_cpus() if workers is None else workers
         pool = WorkerPool(config, tok, n_workers) if n_workers > 0 else InlinePool(config, tok)
         try:
@@ -209,9 +223,21 @@ def _available_cpus() -> int:
 def _write_output(job: _Job, request: dict, tokenizer_spec: str, dtype, pool, chunk_bytes: int,
                   bar, task, earlier: list[OutputStats]) -> OutputStats:
     """Stream one output's inputs through the pool and commit it; nothing visible on error."""
+    stats = OutputStats(job.prefix)
+    try:
+        return _stream_and_commit(job, request, tokenizer_spec, dtype, pool, chunk_bytes, bar, task, earlier,
+                                  stats)
+    except OSError as exc:  # ENOSPC, EFBIG (ulimit -f), EIO: AtomicIndexedDataset removed its temporaries
+        from data_pipeline.checks import WorkFailed, describe_os_error
+
+        raise WorkFailed(f"writing {job.prefix}.bin/.idx failed: {describe_os_error(exc)}; no output was "
+                         "left that looks valid (temporary files removed)") from None
+
+
+def _stream_and_commit(job: _Job, request: dict, tokenizer_spec: str, dtype, pool, chunk_bytes: int,
+                       bar, task, earlier: list[OutputStats], stats: OutputStats) -> OutputStats:
     from data_pipeline.indexed_writer import AtomicIndexedDataset
 
-    stats = OutputStats(job.prefix)
     with AtomicIndexedDataset(job.prefix, dtype) as out:
         pending, next_seq, submitted = {}, 0, 0
         chunks = iter_chunks(job.sources, chunk_bytes, request["text_field"])
@@ -317,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SentencePiece .model, tokenizer.json (or its dir), tiktoken:PATH, byte")
     parser.add_argument("--text-field", default="text", help="JSON field / parquet column")
     parser.add_argument("--append-eod", action="store_true", help="end every document with EOD")
-    parser.add_argument("--workers", "-j", type=int, default=None,
+    parser.add_argument("--workers", "-j", type=nonnegative_int, default=None,
                         help="tokenising processes (default: one per CPU; 0: tokenise in "
                              "the main process)")
     parser.add_argument("--skip-bad-records", action="store_true",
@@ -326,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace outputs made by a different command")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help=argparse.SUPPRESS)
+    parser.add_argument("--max-document-bytes", type=positive_int, default=DEFAULT_MAX_DOCUMENT_BYTES,
+                        help="longer documents are bad records: tokenising one holds it whole, at many times "
+                             f"its size in memory (default {DEFAULT_MAX_DOCUMENT_BYTES >> 20} MiB)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--summary-json", metavar="PATH",
                         help="also write the summary as JSON (for scripts and benchmarks)")
@@ -335,31 +364,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
+    from data_pipeline.checks import run_cli
     from data_pipeline.indexed_writer import OutputError
 
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
     # Slurm preemption and `kill` send SIGTERM: unwind like Ctrl-C so temporaries go away.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
+
+    def body() -> int:
         summary = preprocess(
             args.input, tokenizer=args.tokenizer, output_prefix=args.output_prefix,
             output_dir=args.output_dir, text_field=args.text_field, append_eod=args.append_eod,
             workers=args.workers, skip_bad_records=args.skip_bad_records,
             overwrite=args.overwrite, chunk_bytes=args.chunk_bytes,
-            progress=not args.no_progress, console=console)
-    except (InputError, OutputError, TokenizerLoadError, PreprocessError) as err:
-        console.print(f"[red]error:[/red] {err}", highlight=False)
-        console.print("nothing partial was left behind", highlight=False)
-        return 1
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/red]: no output was written (temporary files removed)")
-        return 130
-    print_summary(console, summary)
-    if args.summary_json:
-        with open(args.summary_json, "w", encoding="utf-8") as f:
-            json.dump(summary.to_json(), f, indent=2)
-    return 0
+            max_document_bytes=args.max_document_bytes, progress=not args.no_progress, console=console)
+        print_summary(console, summary)
+        if args.summary_json:
+            with open(args.summary_json, "w", encoding="utf-8") as f:
+                json.dump(summary.to_json(), f, indent=2)
+        return 0
+
+    return run_cli(body, bad_input=(InputError, OutputError, TokenizerLoadError, PreprocessError),
+                   on_interrupt="interrupted: no output was written (temporary files removed)")
 
 
 if __name__ == "__main__":

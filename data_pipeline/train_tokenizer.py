@@ -68,12 +68,19 @@ class _Reader:
                 yield line
 
 
+class TrainingError(RuntimeError):
+    """SentencePiece refused the corpus or the options (e.g. a vocabulary larger than the
+    text supports); the message is its own."""
+
+
 def train(inputs: list[str], model_prefix: str, *, vocab_size: int, model_type: str = "bpe",
           byte_fallback: bool = False, pad: bool = False, user_defined_symbols: list[str] = (),
           text_field: str = "text", input_sentence_size: int = 2_000_000,
           character_coverage: float = 0.9995, num_threads: int | None = None,
-          progress: bool = True, verbose: bool = False) -> str:
-    """Train and write `<model_prefix>.model` / `.vocab`; returns the .model path."""
+          progress: bool = True, verbose: bool = False, overwrite: bool = False) -> str:
+    """Train and write `<model_prefix>.model` / `.vocab`; returns the .model path. An
+    existing model there is replaced only with `overwrite` (datasets made with it would no
+    longer match their tokenizer)."""
     import sentencepiece as spm
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -81,6 +88,9 @@ def train(inputs: list[str], model_prefix: str, *, vocab_size: int, model_type: 
     directory = os.path.dirname(os.path.abspath(model_prefix))
     if not os.path.isdir(directory):
         raise InputError(f"output directory {directory!r} does not exist; create it first")
+    if not overwrite and any(os.path.exists(model_prefix + ext) for ext in (".model", ".vocab")):
+        raise InputError(f"{model_prefix}.model/.vocab already exist; pass --overwrite to replace them (datasets "
+                         "tokenised with the old model will no longer match it) or choose another --model-prefix")
     sources = resolve_inputs(inputs, allow_text=True)
     for source in sources:
         if source.kind != "text":
@@ -124,7 +134,7 @@ def train(inputs: list[str], model_prefix: str, *, vocab_size: int, model_type: 
                 bar.update(task, description=f"training {model_type} ({vocab_size} pieces)")
     try:
         if errors:
-            raise RuntimeError(f"sentencepiece training failed: {errors[0]}") from errors[0]
+            raise TrainingError(f"sentencepiece training failed: {errors[0]}") from errors[0]
         for ext in (".model", ".vocab"):
             os.replace(tmp_prefix + ext, model_prefix + ext)
     finally:
@@ -137,12 +147,14 @@ def train(inputs: list[str], model_prefix: str, *, vocab_size: int, model_type: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from data_pipeline.checks import fraction, positive_int, run_cli
+
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.train_tokenizer",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", "-i", nargs="+", required=True, help="files or globs")
     parser.add_argument("--model-prefix", "-o", required=True, help="writes PREFIX.model/.vocab")
-    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--vocab-size", type=positive_int, required=True)
     parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
     parser.add_argument("--byte-fallback", action="store_true",
                         help="unknown characters become UTF-8 byte pieces instead of <unk>")
@@ -150,25 +162,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user-defined-symbols", nargs="*", default=[], metavar="TOKEN",
                         help="special tokens always kept whole, e.g. '<|im_start|>'")
     parser.add_argument("--text-field", default="text")
-    parser.add_argument("--input-sentence-size", type=int, default=2_000_000)
-    parser.add_argument("--character-coverage", type=float, default=0.9995)
-    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--input-sentence-size", type=positive_int, default=2_000_000)
+    parser.add_argument("--character-coverage", type=fraction, default=0.9995)
+    parser.add_argument("--num-threads", type=positive_int, default=None)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model/.vocab")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="show sentencepiece's own log")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    try:
+
+    def body() -> int:
         path = train(args.input, args.model_prefix, vocab_size=args.vocab_size,
                      model_type=args.model_type, byte_fallback=args.byte_fallback, pad=args.pad,
                      user_defined_symbols=args.user_defined_symbols, text_field=args.text_field,
                      input_sentence_size=args.input_sentence_size,
                      character_coverage=args.character_coverage, num_threads=args.num_threads,
-                     progress=not args.no_progress, verbose=args.verbose)
-    except (InputError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(f"wrote {path} in {time.perf_counter() - started:.1f} s")
-    return 0
+                     progress=not args.no_progress, verbose=args.verbose, overwrite=args.overwrite)
+        print(f"wrote {path} in {time.perf_counter() - started:.1f} s")
+        return 0
+
+    return run_cli(body, bad_input=(InputError, TrainingError))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ class WorkerConfig:
     dtype: str  # numpy dtype name of the output tokens
     append_eod: int | None  # id appended to every document, or None
     skip_bad_records: bool
+    # Longer documents are bad records (see preprocess.DEFAULT_MAX_DOCUMENT_BYTES).
+    max_document_bytes: int = 1 << 62
 
 
 @dataclass
@@ -45,6 +47,12 @@ class ChunkResult:
     fatal: str | None = None  # an unexpected exception in the worker, with traceback
 
 
+def too_long(size: int, limit: int) -> str:
+    return (f"document of {size:,} bytes exceeds --max-document-bytes {limit:,}: tokenising one document "
+            "takes memory in proportion to its length (~45 bytes per byte with SentencePiece); split "
+            "such documents, raise the limit, or pass --skip-bad-records")
+
+
 def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult:
     """Documents of one chunk as one token array plus per-document lengths."""
     result = ChunkResult(chunk.seq, chunk.source, chunk.disk_bytes)
@@ -54,7 +62,10 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
         try:
             if isinstance(text, BadRecord):
                 raise text
-            text_bytes += check_text(text)
+            size = check_text(text)
+            if size > config.max_document_bytes:
+                raise BadRecord("document too long", too_long(size, config.max_document_bytes))
+            text_bytes += size
         except BadRecord as bad:
             result.bad.append((number, bad.kind, bad.detail))
             if not config.skip_bad_records:

@@ -40,19 +40,25 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from data_pipeline.checks import nonnegative_int, positive_int, run_cli
 from launch.launchers.local import torchrun_command
+from pretrain.cli import resolve_config
+from pretrain.config import ConfigError, validate_for_world, validate_inputs
 
 FIELDS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "overhead_frac")
+
+
+def run_overrides(overrides: list[str], steps: int, run_dir: Path) -> list[str]:
+    return overrides + [
+        f"schedule.train_steps={steps}", "schedule.eval_interval=0", "logging.log_interval=1",
+        "logging.tensorboard=false", f"logging.run_dir={run_dir}", "checkpoint.dir=null",
+    ]
 
 
 def run_records(recipe: str, nproc: int, steps: int, overrides: list[str], run_dir: Path) -> tuple[list[dict], str]:
     """Train `steps` steps through torchrun; (per-step metrics records, output). The records
     are empty if the run failed; the output (stdout + stderr) says why."""
-    overrides = overrides + [
-        f"schedule.train_steps={steps}", "schedule.eval_interval=0", "logging.log_interval=1",
-        "logging.tensorboard=false", f"logging.run_dir={run_dir}", "checkpoint.dir=null",
-    ]
-    cmd = torchrun_command(recipe, nproc, overrides)
+    cmd = torchrun_command(recipe, nproc, run_overrides(overrides, steps, run_dir))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -183,18 +189,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc", type=positive_int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="steps excluded from the medians")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--overhead", action="store_true",
                         help="compare watchdog + straggler report + MLflow + W&B on vs all off")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    if args.repeats < 1:
-        parser.error(f"--repeats ({args.repeats}) must be at least 1")
+
+    def check() -> int:  # the runs' config, before the first of them starts
+        config = resolve_config(args.recipe, None, run_overrides(list(args.overrides), args.steps,
+                                                                Path(tempfile.gettempdir()) / "bench-check"))
+        validate_for_world(config, args.nproc)
+        validate_inputs(config)
+        return 0
+
+    code = run_cli(check, bad_input=(ConfigError, ValueError))
+    if code:
+        return code
     if args.overhead:
         result = overhead(args)
         result["hook_costs"] = hook_costs()

@@ -121,6 +121,8 @@ class ParallelLayout(BaseModel):
 def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
     """Raise LayoutError naming the first impossible value and listing the valid choices."""
     tp, pp, cp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel
+    if not isinstance(world_size, int) or world_size < 1:
+        raise LayoutError(f"world size must be at least 1, got {world_size}")
     if world_size % layout.model_parallel_size:
         valid = [f"{d}" for d in divisors(world_size)]
         raise LayoutError(

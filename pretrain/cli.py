@@ -16,7 +16,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pretrain.config import ConfigError, ExperimentConfig, apply_overrides, dump_yaml, validate_for_world
+from data_pipeline.checks import positive_int, run_cli
+from pretrain.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    dump_yaml,
+    validate_for_world,
+    validate_inputs,
+)
 from pretrain.recipes import RECIPES, get_recipe
 
 
@@ -26,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--recipe", required=True, help=f"one of: {', '.join(RECIPES)}")
     parser.add_argument("--config", help="YAML file of overrides, layered over the recipe")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config, validate, exit")
-    parser.add_argument("--world-size", type=int, help="world size to validate against in --dry-run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config, validate it (layout, paths, data), exit")
+    parser.add_argument("--world-size", type=positive_int, help="world size to validate against in --dry-run")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
 
@@ -38,23 +47,24 @@ def resolve_config(recipe: str, config_file: str | None, overrides: list[str]) -
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        config = resolve_config(args.recipe, args.config, args.overrides)
-        if args.dry_run:
-            from pretrain.runtime import world_size_from_env
 
-            world = args.world_size or world_size_from_env()
-            validate_for_world(config, world)
-            print(dump_yaml(config), end="")
-            print(f"# valid for world size {world}: {config.parallel.describe(world)}")
-            return 0
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    def check() -> ExperimentConfig | int:
+        config = resolve_config(args.recipe, args.config, args.overrides)
+        if not args.dry_run:
+            return config
+        from pretrain.runtime import world_size_from_env
+
+        world = args.world_size if args.world_size is not None else world_size_from_env()
+        validate_for_world(config, world)
+        validate_inputs(config)
+        print(dump_yaml(config), end="")
+        print(f"# valid for world size {world}: {config.parallel.describe(world)}")
+        return 0
+
+    config = run_cli(check, bad_input=(ConfigError, ValueError))
+    if isinstance(config, int):
+        return config
     from pretrain.loop import main_train
 
+    # Training errors keep their tracebacks: bad input was refused above or in setup's checks.
     return main_train(config)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models import precision
-from models.config import ModelConfig
+from models.config import ModelConfig, get_flavor
 from models.layout import LayoutError, ParallelLayout, validate_layout
 from models.runtime import RuntimeOptions
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # allow_inf_nan=False: `optimizer.lr=inf` is a typo'd value, not a learning rate.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class RuntimeConfig(RuntimeOptions):
@@ -80,6 +81,16 @@ class ScheduleConfig(_Strict):
     eval_interval: int = Field(default=0, ge=0)  # 0 = never
     eval_steps: int = Field(default=2, gt=0)
 
+    @model_validator(mode="after")
+    def _decay_after_warmup(self) -> "ScheduleConfig":
+        # Megatron's scheduler needs decay_steps > warmup_steps; an explicit smaller value
+        # was clamped silently (the LR then decayed over steps nobody asked for).
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"schedule.decay_steps={self.decay_steps} must exceed schedule.warmup_steps="
+                             f"{self.warmup_steps} (decay starts after warmup); raise decay_steps or unset it "
+                             "to decay over train_steps")
+        return self
+
 
 class DataConfig(_Strict):
     # Weighted blend of indexed-dataset prefixes: [[weight, prefix], ...].
@@ -91,6 +102,17 @@ class DataConfig(_Strict):
     tokenizer: Optional[str] = None
     split: str = "969,30,1"
     cache_dir: Optional[str] = None
+
+    @field_validator("split")
+    @classmethod
+    def _split_parses(cls, value: str) -> str:
+        from data_pipeline.datasets import DatasetConfigError, parse_split
+
+        try:
+            parse_split(value)
+        except DatasetConfigError as exc:
+            raise ValueError(f"data.{exc}") from None
+        return value
 
 
 class CheckpointConfig(_Strict):
@@ -188,19 +210,40 @@ class ExperimentConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
 
+    @model_validator(mode="after")
+    def _evaluation_has_data(self) -> "ExperimentConfig":
+        from data_pipeline.datasets import parse_split
+
+        if self.schedule.eval_interval and parse_split(self.data.split)[1] == 0:
+            raise ValueError(f"schedule.eval_interval={self.schedule.eval_interval} needs validation data, but "
+                             f"data.split={self.data.split} gives the validation part 0; set "
+                             "schedule.eval_interval=0 or a non-zero middle part (e.g. 969,30,1)")
+        return self
+
 
 class ConfigError(ValueError):
     """A config value or key that cannot work; the message says which and what would."""
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(key: str, text: str) -> Any:
     # YAML 1.1 reads "3e-4" as a string; numbers first, then YAML for lists/bools/null.
     for cast in (int, float):
         try:
             return cast(text)
         except ValueError:
             pass
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={text!r} is not valid YAML ({_yaml_problem(exc)}); quote the "
+                          "value for the shell, e.g. data.blend='[[1.0, data/web]]'") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line from a YAML error: the problem and where it is."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def _closest(key: str, valid: list[str]) -> str:
@@ -238,27 +281,54 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return items
 
 
+def _read_yaml_file(yaml_file: str) -> dict:
+    path = Path(yaml_file)
+    if not path.is_file():
+        raise ConfigError(f"config file {yaml_file!r} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {yaml_file!r} is not valid YAML: {_yaml_problem(exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {yaml_file!r} cannot be read: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {yaml_file!r} must hold a mapping of sections")
+    return loaded
+
+
+def _model_flavor(value: Any) -> dict:
+    """`model=<flavor>`: the whole model section from a named flavor (models.config.FLAVORS)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"model={value!r}: give a flavor name (e.g. model=tiny-gpt) or set single fields "
+                          "(model.num_layers=2)")
+    try:
+        return get_flavor(value).model_dump(mode="python")
+    except ValueError as exc:
+        raise ConfigError(f"model={value}: {exc}") from None
+
+
 def apply_overrides(
     config: ExperimentConfig, *, yaml_file: Optional[str] = None, overrides: list[str] = ()
 ) -> ExperimentConfig:
-    """Layer a YAML file, then `key=value` strings, over a recipe's config."""
+    """Layer a YAML file, then `key=value` strings, over a recipe's config.
+
+    `model=<flavor>` (in either) replaces the whole model section with a named flavor;
+    `model.<field>=...` after it changes single fields of that flavor.
+    """
     tree = config.model_dump(mode="python")
     pairs: list[tuple[str, Any]] = []
     if yaml_file:
-        path = Path(yaml_file)
-        if not path.is_file():
-            raise ConfigError(f"config file {yaml_file!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {yaml_file!r} must hold a mapping of sections")
-        pairs.extend(_flatten(loaded))
+        pairs.extend(_flatten(_read_yaml_file(yaml_file)))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. schedule.train_steps=50)")
         key, text = item.split("=", 1)
-        pairs.append((key.strip(), _parse_value(text)))
+        pairs.append((key.strip(), _parse_value(key.strip(), text)))
     for key, value in pairs:
-        _set_path(tree, key, value, ExperimentConfig)
+        if key == "model" and not isinstance(value, dict):
+            tree["model"] = _model_flavor(value)
+        else:
+            _set_path(tree, key, value, ExperimentConfig)
     try:
         # JSON validation: strict types, yet lists are accepted for tuples (blend entries).
         return ExperimentConfig.model_validate_json(json.dumps(tree))
@@ -267,11 +337,16 @@ def apply_overrides(
 
 
 def _format_validation(exc: ValidationError) -> str:
-    lines = ["invalid config:"]
+    """One line per problem, the first one first: `invalid config: KEY: what (got VALUE)`."""
+    lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
-    return "\n".join(lines)
+        message = err["msg"].removeprefix("Value error, ")
+        if not loc or (err["type"] == "value_error" and loc in message):  # our checks name their keys
+            lines.append(message)
+        else:
+            lines.append(f"{loc}: {message} (got {err.get('input')!r})")
+    return "invalid config: " + "\n".join(lines)
 
 
 def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
@@ -433,6 +508,89 @@ def _check_observability(config: ExperimentConfig, has_gpu: bool) -> None:
         if profile.memory_snapshot_step is not None:
             raise ConfigError("profile.memory_snapshot_step needs CUDA (it records the CUDA caching "
                               "allocator's history); unset it on CPU")
+
+
+def validate_paths(config: ExperimentConfig) -> None:
+    """Every directory the run creates or writes into, checked before any process group:
+    a checkpoint.dir that cannot be written was found at the first save, after training."""
+    from data_pipeline.checks import writable_dir_problem
+
+    run_dir = config.logging.run_dir
+    for key, path in (("logging.run_dir", run_dir), ("checkpoint.dir", config.checkpoint.dir),
+                      ("data.cache_dir", config.data.cache_dir)):
+        problem = writable_dir_problem(path) if path else None
+        if problem:
+            raise ConfigError(f"{key}={path}: {problem}; choose a directory this process can write")
+
+
+def sample_counts(config: ExperimentConfig) -> tuple[int, int, int]:
+    """Samples the run reads from the (train, validation, test) splits."""
+    sched = config.schedule
+    gbs = sched.global_batch_size
+    n_valid = (sched.train_steps // sched.eval_interval + 1) * sched.eval_steps * gbs if sched.eval_interval else 0
+    return sched.train_steps * gbs, n_valid, 0
+
+
+def demo_prefix(config: ExperimentConfig) -> str:
+    """Where `data.demo=true` tokenises the shipped corpus (a cache: made once, reused)."""
+    from data_pipeline.datasets import DEMO_PREFIX_NAME
+
+    return f"{config.data.cache_dir or config.logging.run_dir + '/data_cache'}/demo/{DEMO_PREFIX_NAME}"
+
+
+def validate_data(config: ExperimentConfig, *, prepare_demo: bool = False):
+    """The data the run reads, before any process group: the tokenizer loads and fits
+    model.vocab_size; blend prefixes exist, are intact and were made with that tokenizer;
+    the schedule does not ask for absurdly more samples than the data holds. With
+    `prepare_demo`, the demo dataset is made first (a dry run checks it only if it exists).
+    Returns the tokenizer."""
+    from data_pipeline.datasets import (
+        DEMO_TOKENIZER,
+        DatasetConfigError,
+        check_blend,
+        check_sample_budget,
+        ensure_demo_dataset,
+    )
+    from data_pipeline.indexed_writer import IndexedDataset
+    from data_pipeline.tokenizers import TokenizerLoadError, load_tokenizer
+
+    data, sched = config.data, config.schedule
+    spec = DEMO_TOKENIZER if data.demo else (data.tokenizer or "byte")
+    try:
+        tokenizer = load_tokenizer(spec)
+    except TokenizerLoadError as exc:
+        raise ConfigError(f"data.tokenizer={spec}: {exc}") from None
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"tokenizer {spec!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{config.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
+    blend = [tuple(item) for item in data.blend] if data.blend else None
+    try:
+        if blend:
+            check_blend(blend, tokenizer)
+    except DatasetConfigError as exc:
+        raise ConfigError(f"data.blend: {exc}") from None
+    if data.demo:
+        prefix = demo_prefix(config)
+        if prepare_demo:
+            ensure_demo_dataset(str(Path(prefix).parent))
+        blend = [(1.0, prefix)] if IndexedDataset.exists(prefix) else None
+        if blend is None:
+            return tokenizer  # a dry run before the first training run: nothing to measure yet
+    try:
+        check_sample_budget(blend=blend, mock=data.mock, split=data.split, seq_length=sched.seq_length,
+                            num_samples=sample_counts(config), vocab_size=tokenizer.vocab_size)
+    except DatasetConfigError as exc:
+        raise ConfigError(f"schedule.train_steps={sched.train_steps} x global_batch_size="
+                          f"{sched.global_batch_size} asks too much of the data: {exc}; lower "
+                          "schedule.train_steps or add data") from None
+    return tokenizer
+
+
+def validate_inputs(config: ExperimentConfig, *, prepare_demo: bool = False) -> None:
+    """Paths and data (`validate_paths`, `validate_data`): what `--dry-run`, launch.local and
+    every rank's setup check before any process group."""
+    validate_paths(config)
+    validate_data(config, prepare_demo=prepare_demo)
 
 
 def num_microbatches(config: ExperimentConfig, world_size: int) -> int:

@@ -10,6 +10,7 @@ is what makes DP runs comparable with the single-rank run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Iterator, Optional
 
@@ -17,7 +18,7 @@ import torch
 
 from megatron.core import parallel_state
 
-from pretrain.config import ExperimentConfig
+from pretrain.config import ExperimentConfig, demo_prefix, sample_counts
 
 
 @dataclasses.dataclass
@@ -28,8 +29,9 @@ class Datasets:
 
 
 def build_datasets(config: ExperimentConfig, world_size: int) -> Datasets:
-    """Build train/valid datasets on every rank (cached index files are shared)."""
-    from data_pipeline.datasets import build_gpt_datasets
+    """Build train/valid datasets on every rank (cached index files are shared). The inputs
+    were checked by pretrain.config.validate_data, before any process group."""
+    from data_pipeline.datasets import build_gpt_datasets, ensure_demo_dataset
     from data_pipeline.tokenizers import load_tokenizer
 
     data, sched = config.data, config.schedule
@@ -37,22 +39,12 @@ def build_datasets(config: ExperimentConfig, world_size: int) -> Datasets:
     tokenizer_spec = data.tokenizer
     cache_dir = data.cache_dir or f"{config.logging.run_dir}/data_cache"
     if data.demo:
-        from data_pipeline.datasets import ensure_demo_dataset
-
-        prefix, tokenizer_spec = ensure_demo_dataset(f"{cache_dir}/demo")
+        prefix, tokenizer_spec = ensure_demo_dataset(os.path.dirname(demo_prefix(config)))
         blend = [(1.0, prefix)]
     tokenizer = load_tokenizer(tokenizer_spec or "byte")
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"tokenizer {tokenizer_spec!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
-            f"{config.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}"
-        )
-    gbs = sched.global_batch_size
-    n_train = sched.train_steps * gbs
-    n_valid = (sched.train_steps // sched.eval_interval + 1) * sched.eval_steps * gbs if sched.eval_interval else 0
     train, valid, _ = build_gpt_datasets(
         blend=blend, split=data.split, seq_length=sched.seq_length, seed=config.runtime.seed,
-        num_samples=(n_train, n_valid, 0), tokenizer=tokenizer, cache_dir=cache_dir, mock=data.mock,
+        num_samples=sample_counts(config), tokenizer=tokenizer, cache_dir=cache_dir, mock=data.mock,
     )
     return Datasets(train=train, valid=valid, tokenizer=tokenizer)
 

@@ -23,6 +23,7 @@ from pretrain.config import (
     num_microbatches,
     validate_for_machine,
     validate_for_world,
+    validate_inputs,
 )
 from pretrain.data import build_datasets, chunk_iterators
 from pretrain.metrics import (
@@ -42,7 +43,7 @@ from pretrain.observe.stragglers import StragglerReport, StragglerStats
 from pretrain.observe.timers import StepTimers, install as install_timers
 from pretrain.observe.trackers import open_trackers
 from pretrain.observe.watchdog import Watchdog, enable_flight_recorder
-from pretrain.signals import StopRequest
+from pretrain.signals import StopDuringSetup, StopRequest
 from pretrain.step import evaluate, train_step
 from pretrain.wrap import TrainingState, wrap_for_training
 
@@ -66,18 +67,20 @@ class Run:
 
 
 def setup(config: ExperimentConfig) -> Run:
-    # Handlers first: a SIGTERM/USR1 during start-up stops the run after its first step
-    # (with a checkpoint) instead of killing the rank.
+    # Handlers first: a SIGTERM/USR1 during setup ends it (StopDuringSetup: nothing trained,
+    # nothing to save; checked between phases once the process group exists), not the rank.
     stop = StopRequest(config.checkpoint.exit_after_minutes)
     world_size = world_size_from_env()
     validate_for_world(config, world_size)  # before any process group exists
     spec = validate_for_machine(config)  # the spec `auto` resolves to here can run this config
+    validate_inputs(config, prepare_demo=True)  # paths it writes, data it reads
     step_profiler.check_writable(config, read_dist_env().rank)  # before training starts
     resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
     if resume.first is not None:
         checkpoint.check_compatible(resume.first, config)
     enable_flight_recorder(config.watchdog)  # read when the process groups are created
     env = init_distributed(config.parallel, seed=config.runtime.seed)
+    stop.check_setup()
     resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
     if resume_from is not None and resume_from != resume.first:
         checkpoint.check_compatible(resume_from, config)
@@ -92,12 +95,16 @@ def setup(config: ExperimentConfig) -> Run:
          env.rank == 0)
     chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}))
     state = wrap_for_training(chunks, config)
+    stop.check_setup()
     start_step = 0
     if resume_from is not None:
         start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0))
         if config.runtime.inject_hang_step is not None:  # test-only: a requeued job gets past it
             config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"inject_hang_step": None})})
+        stop.check_setup()
     datasets = build_datasets(config, world_size)
+    stop.check_setup()
+    stop.training_started()
     peak = detect_device_peak(config.logging.device_peak, config.runtime.dtype, bool(config.runtime.fp8))
     sched = config.schedule
     tracking = config.tracking.mlflow or config.tracking.wandb
@@ -248,15 +255,21 @@ def _run_eval(run: Run, step: int) -> None:
 
 def main_train(config: ExperimentConfig) -> int:
     """Set up, train, shut down; returns the process exit code."""
+    from data_pipeline.checks import print_error
     from pretrain.config import ConfigError
     from pretrain.runtime import shutdown
 
     try:
         run = setup(config)
     except (ConfigError, checkpoint.CheckpointError) as exc:
-        print(f"error: {exc}", flush=True)
+        print_error(exc)
         shutdown()  # the process group, if the error came after it (a damaged checkpoint)
         return 2
+    except StopDuringSetup as exc:
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        info(f"[{config.name}] stopped during setup ({exc}), before step 1: nothing was trained or saved", rank0)
+        shutdown()
+        return 0
     failed = True
     try:
         history = train(run, run.start_step)

@@ -127,6 +127,9 @@ def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimi
 
 def _scheduler(optimizer, config: ExperimentConfig) -> OptimizerParamScheduler:
     opt, sched = config.optimizer, config.schedule
+    # An explicit decay_steps <= warmup_steps is refused by the config. Unset, decay spans
+    # train_steps; a run shorter than its warmup (short tests) ends still warming up, and
+    # Megatron's scheduler needs decay > warmup: the max() below is that unreached step.
     decay_steps = sched.decay_steps or sched.train_steps
     return OptimizerParamScheduler(
         optimizer,

@@ -192,13 +192,24 @@ def _environment(spec: JobSpec) -> list[str]:
     return lines + [""]
 
 
-def _rendezvous() -> list[str]:
+# Asks the kernel for a port nobody on this host listens on (as torchrun --standalone does).
+_FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+
+
+def _rendezvous(spec: JobSpec) -> list[str]:
+    # With a container the interpreter is inside the image; this script runs on the host.
+    python = "python3" if spec.container_image else shlex.quote(spec.python)
     return [
-        "# ---- Rendezvous: rank 0 runs on the first node of the allocation; the port comes",
-        "# from the job id (as in pretrain.runtime), so jobs sharing a node do not collide ----",
+        "# ---- Rendezvous: rank 0 runs on the first node of the allocation, where this script",
+        "# runs (the batch host). The port is one the kernel finds free there now, so two jobs",
+        "# sharing a node do not collide, as ports derived from job ids could. ----",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export MASTER_ADDR",
-        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        f'if ! MASTER_PORT=$({python} -c {shlex.quote(_FREE_PORT)}); then',
+        "    MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        '    echo "[launch.slurm] warning: could not pick a free port on $(hostname); using $MASTER_PORT (job id)"',
+        "fi",
+        "export MASTER_PORT",
         "",
     ]
 
@@ -325,4 +336,4 @@ def render(spec: JobSpec) -> str:
                  f"cd {shlex.quote(spec.workdir)}"]
     body.append("")
     return "\n".join(_header(spec) + _directives(spec) + body + _environment(spec)
-                     + _rendezvous() + _launch(spec))
+                     + _rendezvous(spec) + _launch(spec))

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML overrides file, layered over the recipe")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     where = p.add_argument_group("allocation")
-    where.add_argument("--nodes", type=int, default=1)
+    where.add_argument("--nodes", type=int, default=1, help="nodes (at least 1)")
     where.add_argument("--gpus-per-node", type=int, default=8, help="one rank per GPU (default 8)")
     where.add_argument("--cpu", action="store_true", help="CPU ranks over gloo, no GPUs requested")
     where.add_argument("--ntasks-per-node", type=int, help="ranks per node with --cpu")
@@ -255,19 +255,29 @@ def check_data_paths(config: ExperimentConfig, workdir: str, view: PathView, che
                                  "if only the compute nodes can see it")
 
 
+# What a run leaves in its run directory (a Slurm job, or a local run: python -m pretrain).
+RUN_FILES = (SCRIPT_NAME, CONFIG_NAME, "metrics.jsonl", "checkpoints", "tensorboard")
+
+
 def check_writable(run_dir: Path, checks: Checks) -> None:
+    """The run directory is new or empty of any run's files, and can be created. Writes
+    nothing (the probe of writable_dir_problem leaves nothing behind)."""
+    from data_pipeline.checks import writable_dir_problem
+
     if (run_dir / SCRIPT_NAME).exists():
         checks.errors.append(f"run directory {run_dir} already holds a {SCRIPT_NAME}: to continue "
                              f"that run, `sbatch {shlex.quote(str(run_dir / SCRIPT_NAME))}`; for a "
                              "new run choose another --run-dir (the default is timestamped)")
         return
-    try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        checks.errors.append(f"run directory {run_dir} is not writable ({exc.strerror}); pass "
+    used = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if used:
+        checks.errors.append(f"run directory {run_dir} already holds a run ({', '.join(used)}); writing the job "
+                             f"there would replace its {CONFIG_NAME}: choose another --run-dir (the default is "
+                             "timestamped)")
+        return
+    problem = writable_dir_problem(str(run_dir))
+    if problem:
+        checks.errors.append(f"run directory {run_dir} is not writable ({problem}); pass "
                              "--run-dir on a filesystem you and the compute nodes can write")
 
 

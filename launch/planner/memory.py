@@ -330,6 +330,13 @@ class MemoryOptions:
     # ZeRO stage what-if (0-3); None = what the config does (1 with the distributed optimizer).
     zero_stage: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        if not (self.framework_gib >= 0 and self.fragmentation >= 0):  # also refuses NaN
+            raise ValueError(f"framework_gib={self.framework_gib:g} and fragmentation={self.fragmentation:g} "
+                             "must be >= 0")
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+
 
 def overhead_bytes(activations: float, options: MemoryOptions) -> float:
     """framework_gib x 2^30 + fragmentation x activations."""

@@ -43,6 +43,17 @@ class ThroughputOptions:
     pp_overlap: float = 0.0
     dp_overlap: float = 0.0
 
+    def __post_init__(self) -> None:
+        # An efficiency of 0 divided by zero; 5 reported 461% MFU; an overlap above 1 hid
+        # more communication than there is.
+        for name in ("efficiency", "bus_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name):g} must be a fraction in (0, 1]")
+        for kind in ("tp", "cp", "ep", "pp", "dp"):
+            if not 0 <= getattr(self, f"{kind}_overlap") <= 1:
+                raise ValueError(f"--overlap {kind}={getattr(self, f'{kind}_overlap'):g} must be a fraction "
+                                 "in [0, 1]")
+
 
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:

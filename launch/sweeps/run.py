@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.checks import print_error
 from launch.sweeps.results import collect, is_finished
 from launch.sweeps.spec import Point, SweepSpec, SweepSpecError, expand_points, load_spec
 
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepSpecError("launcher: slurm needs a `slurm:` section (partition, time, ...)")
         points = expand_points(spec, spec_dir=spec_dir)
     except SweepSpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 2
     if args.dry_run:
         _print_points(spec, points, spec_dir)

@@ -161,19 +161,22 @@ def load_spec(path: str) -> SweepSpec:
 
 
 def _format_errors(path: str, exc: ValidationError) -> str:
-    lines = [f"sweep spec {path}:"]
-    for err in exc.errors():
+    """One problem per line, the first on the line that names the spec."""
+    lines = []
+    # A misspelt key also makes the real one missing: name the misspelling first.
+    for err in sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden"):
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("list[", "dict[")))
         if err["type"] == "extra_forbidden":
             section = SlurmOptions if err["loc"][0] == "slurm" else SweepSpec
             close = difflib.get_close_matches(str(err["loc"][-1]), list(section.model_fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(section.model_fields)}"
-            lines.append(f"  unknown key {loc!r}{hint}")
+            lines.append(f"unknown key {loc!r}{hint}")
         elif err["type"] == "missing":
-            lines.append(f"  missing required key {loc!r}")
+            lines.append(f"missing required key {loc!r}")
         else:
-            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
-    return "\n".join(dict.fromkeys(lines))  # union types repeat an error per branch
+            lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    lines = list(dict.fromkeys(lines))  # union types repeat an error per branch
+    return "\n".join([f"sweep spec {path}: {lines[0]}", *(f"  {line}" for line in lines[1:])])
 
 
 def expand_points(spec: SweepSpec, *, spec_dir: Path = Path(".")) -> list[Point]:

@@ -143,3 +143,115 @@ def test_export_refuses_what_hf_cannot_express(trained, tmp_path, capsys):
     code, err = run_main(export_hf, [good, good / "hf", "--no-tokenizer"], capsys)
     assert code == 2 and "overlaps the input" in err and not (good / "hf").exists()
     assert_nothing_written(tmp_path, "out")
+
+
+# --- the command lines (tests/bad_input.py): exit 2, one error line, nothing written ---------
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models, tmp_path_factory):
+    """A model-only checkpoint of the tiny HF Llama (import_hf: one process, no training)."""
+    out = tmp_path_factory.mktemp("imported") / "ckpt"
+    import_hf.import_hf(hf_models["llama"], out)
+    return out
+
+
+def _hf_copy(hf_models, tmp_path, edit_config=None, cut: int = 0) -> Path:
+    src = shutil.copytree(hf_models["llama"], tmp_path / "hf")
+    if edit_config is not None:
+        (src / "config.json").write_text(edit_config(json.loads((src / "config.json").read_text())))
+    if cut:
+        weights = src / "model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) - cut])
+    return src
+
+
+def _sharded_truncated(hf_models, tmp_path) -> Path:
+    import transformers
+
+    src = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(str(hf_models["llama"])).save_pretrained(
+        src, max_shard_size="200KB")
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    return src
+
+
+def _occupied(tmp_path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("someone's model\n")
+    return out
+
+
+def _a_file(tmp_path) -> Path:
+    (tmp_path / "a-file").write_text("not a directory\n")
+    return tmp_path / "a-file"
+
+
+def _with_dict(**change):
+    return lambda config: json.dumps({**config, **change})
+
+
+TOOL_CASES = {  # name -> (module, arguments given (tmp dir, hf models, imported checkpoint), fragments)
+    "import: config.json not JSON": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        _hf_copy(h, t, lambda cfg: '{"architectures": ["LlamaForCausalLM"],'), t / "out"], ["config.json", "JSON"]),
+    "import: config.json a list": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        _hf_copy(h, t, lambda cfg: "[1, 2]"), t / "out"], ["config.json", "object"]),
+    "import: config.json lacks hidden_size": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        _hf_copy(h, t, lambda cfg: json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"})), t / "out"],
+        ["config.json", "hidden_size"]),
+    "import: config.json hidden_size a string": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        _hf_copy(h, t, _with_dict(hidden_size="64")), t / "out"], ["config.json", "hidden_size"]),
+    "import: config.json negative layers": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        _hf_copy(h, t, _with_dict(num_hidden_layers=-2)), t / "out"], ["config.json", "num_layers"]),
+    "import: safetensors truncated": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        _hf_copy(h, t, cut=4096), t / "out"], ["model.safetensors"]),
+    "import: a shard of many truncated": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        _sharded_truncated(h, t), t / "out"], ["model-00002-of-"]),
+    "import: --tp 0": ("checkpoints_tools.import_hf", lambda t, h, c: [h["llama"], t / "out", "--tp", "0"], ["--tp"]),
+    "import: --world-size 0": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        h["llama"], t / "out", "--world-size", "0"], ["--world-size"]),
+    "import: --vocab-multiple 0": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        h["llama"], t / "out", "--vocab-multiple", "0"], ["--vocab-multiple"]),
+    "import: output not empty": ("checkpoints_tools.import_hf", lambda t, h, c: [h["llama"], _occupied(t)],
+                                 ["out", "--overwrite"]),
+    "import: output under a file": ("checkpoints_tools.import_hf", lambda t, h, c: [
+        h["llama"], _a_file(t) / "out"], ["a-file"]),
+    "reshard: source missing": ("checkpoints_tools.reshard", lambda t, h, c: [t / "none", t / "out"], ["none"]),
+    "reshard: --pp 0": ("checkpoints_tools.reshard", lambda t, h, c: [c, t / "out", "--pp", "0"], ["--pp"]),
+    "reshard: --world-size -4": ("checkpoints_tools.reshard", lambda t, h, c: [c, t / "out", "--world-size", "-4"],
+                                 ["--world-size"]),
+    "reshard: output not empty": ("checkpoints_tools.reshard", lambda t, h, c: [c, _occupied(t)],
+                                  ["out", "--overwrite"]),
+    "reshard: output under a file": ("checkpoints_tools.reshard", lambda t, h, c: [c, _a_file(t) / "out"],
+                                     ["a-file"]),
+    "export: --max-shard-size 0": ("checkpoints_tools.export_hf", lambda t, h, c: [
+        c, t / "out", "--max-shard-size", "0"], ["--max-shard-size"]),
+    "export: --tokenizer missing": ("checkpoints_tools.export_hf", lambda t, h, c: [
+        c, t / "out", "--tokenizer", t / "none.model"], ["none.model"]),
+    "export: output under a file": ("checkpoints_tools.export_hf", lambda t, h, c: [
+        c, _a_file(t) / "out", "--no-tokenizer"], ["a-file"]),
+    "verify: --seq 0": ("checkpoints_tools.verify", lambda t, h, c: [c, h["llama"], "--seq", "0"], ["--seq"]),
+    "verify: --batch 0": ("checkpoints_tools.verify", lambda t, h, c: [c, h["llama"], "--batch", "0"], ["--batch"]),
+    "verify: --seq beyond the model": ("checkpoints_tools.verify", lambda t, h, c: [c, h["llama"], "--seq", "4096"],
+                                       ["max_seq_length"]),
+    "verify: config.json and weights disagree": ("checkpoints_tools.verify", lambda t, h, c: [
+        c, _hf_copy(h, t, _with_dict(intermediate_size=128))], ["hf"]),
+    "verify: safetensors truncated": ("checkpoints_tools.verify", lambda t, h, c: [c, _hf_copy(h, t, cut=4096)],
+                                      ["hf"]),
+    "verify: another model's export": ("checkpoints_tools.verify", lambda t, h, c: [c, h["mixtral"]], ["mixtral"]),
+    "verify: not an HF directory": ("checkpoints_tools.verify", lambda t, h, c: [c, t], ["config.json"]),
+    "verify: checkpoint missing": ("checkpoints_tools.verify", lambda t, h, c: [t / "none", h["llama"]], ["none"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TOOL_CASES))
+def test_tool_cli_refuses(case, tmp_path, hf_models, imported):
+    from tests.bad_input import expect_refusal
+
+    module, build, names = TOOL_CASES[case]
+    argv = [*build(tmp_path, hf_models, imported), "--no-progress"] if "verify" not in module else \
+        build(tmp_path, hf_models, imported)
+    expect_refusal(module, argv, names=names, cwd=tmp_path)

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from data_pipeline import indexed_writer
+from data_pipeline.checks import WorkFailed
 from data_pipeline.indexed_writer import AtomicIndexedDataset, OutputError
 from data_pipeline.preprocess import preprocess
 from tests.data_pipeline.conftest import kjv_texts, output_files, read_documents, write_jsonl
@@ -74,7 +75,7 @@ def test_crash_between_renames_leaves_nothing_valid(tmp_path, monkeypatch, texts
 
     corpus2 = write_jsonl(tmp_path / "in.jsonl", texts[20:30])  # new content, same path
     monkeypatch.setattr(indexed_writer.os, "replace", crash_on_second_rename)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(WorkFailed, match="simulated crash"):
         preprocess([corpus2], tokenizer="byte", output_prefix=prefix, workers=0, overwrite=True)
     monkeypatch.setattr(indexed_writer.os, "replace", real_replace)
     # The new .bin landed but the old .idx was removed first: no mismatched valid pair.

@@ -1,5 +1,7 @@
 """Bad input: every case stops with a message naming file, line and problem (or is
-counted with --skip-bad-records), and leaves no output, partial or complete."""
+counted with --skip-bad-records), and leaves no output, partial or complete. The CLI cases
+at the end (tests/bad_input.py) also check exit status 2, one `error:` line, no traceback,
+and that outputs already there are untouched."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from data_pipeline.indexed_writer import OutputError
 from data_pipeline.preprocess import PreprocessError, main, preprocess
 from data_pipeline.sources import InputError
 from data_pipeline.tokenizers import TokenizerLoadError
+from tests.bad_input import expect_refusal
 from tests.data_pipeline.conftest import output_files, read_documents, write_parquet
 
 GOOD = json.dumps({"text": "And God said, Let there be light: and there was light."})
@@ -152,15 +155,6 @@ def test_append_eod_needs_an_eos_token(tmp_path):
                    append_eod=True)
 
 
-def test_cli_prints_the_error_and_exits_1(tmp_path, capsys):
-    path = bad_file(tmp_path, BAD_LINES["missing field"][0])
-    code = main(["-i", path, "-o", str(tmp_path / "x"), "-t", "byte", "-j", "0", "--no-progress"])
-    assert code == 1
-    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
-    assert "error:" in err and "line 3: missing text field 'text'" in err
-    assert not (tmp_path / "x.bin").exists()
-
-
 def test_parquet_invalid_utf8_row_is_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -221,3 +215,111 @@ def test_fast_json_path_reads_what_the_json_module_reads(line):
     from data_pipeline.sources import parse_json_record
 
     assert parse_json_record(line, "text") == json.loads(line)["text"]
+
+
+# --- the command lines (tests/bad_input.py) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A finished dataset (byte tokenizer) to damage copies of and to protect."""
+    from data_pipeline.datasets import DEMO_CORPUS
+
+    out = tmp_path_factory.mktemp("made")
+    preprocess([DEMO_CORPUS], tokenizer="byte", output_prefix=str(out / "kjv"), workers=0)
+    return out / "kjv"
+
+
+def _copy(made, tmp_path, name: str = "d", cut: int = 0, extra: bytes = b"", idx_cut: int = 0) -> str:
+    import shutil
+
+    prefix = tmp_path / name
+    data = (made.parent / "kjv.bin").read_bytes()
+    (tmp_path / f"{name}.bin").write_bytes(data[: len(data) - cut] + extra)
+    idx = (made.parent / "kjv.idx").read_bytes()
+    (tmp_path / f"{name}.idx").write_bytes(idx[: len(idx) - idx_cut])
+    shutil.copyfile(made.parent / "kjv.meta.json", tmp_path / f"{name}.meta.json")
+    return str(prefix)
+
+
+def _input(tmp_path, lines: list[bytes], name: str = "in.jsonl") -> str:
+    (tmp_path / name).write_bytes(b"\n".join(lines) + b"\n")
+    return str(tmp_path / name)
+
+
+def _protected_output(tmp_path, made) -> str:
+    """An output made by another command, which a refusal must leave byte for byte."""
+    return _copy(made, tmp_path, "out")
+
+
+P = ["--no-progress", "-t", "byte", "-j", "0"]
+CLI_CASES = {  # name -> (module, arguments given tmp dir and the made dataset, fragments named)
+    "inspect: .bin truncated": ("data_pipeline.inspect", lambda t, m: [_copy(m, t, cut=1000)],
+                                ["d.bin", "truncated"]),
+    "inspect: .bin with bytes appended": ("data_pipeline.inspect", lambda t, m: [_copy(m, t, extra=b"\0" * 8)],
+                                          ["d.bin", "more than its index"]),
+    "inspect: .idx truncated": ("data_pipeline.inspect", lambda t, m: [_copy(m, t, idx_cut=100)],
+                                ["d.idx", "damaged"]),
+    "inspect: no dataset": ("data_pipeline.inspect", lambda t, m: [t / "none"], ["none"]),
+    "inspect: tokenizer missing": ("data_pipeline.inspect", lambda t, m: [_copy(m, t), "-t", t / "tok.model"],
+                                   ["tok.model"]),
+    "merge: an input truncated": ("data_pipeline.merge", lambda t, m: [
+        "-i", _copy(m, t, "a"), _copy(m, t, "b", cut=64), "-o", t / "all", "--no-progress"], ["b.bin", "truncated"]),
+    "merge: output exists": ("data_pipeline.merge", lambda t, m: [
+        "-i", _copy(m, t, "a"), "-o", _protected_output(t, m), "--no-progress"], ["out", "--overwrite"]),
+    "merge: output is an input": ("data_pipeline.merge", lambda t, m: [
+        "-i", _copy(m, t, "a"), "-o", t / "a", "--no-progress"], ["also an input"]),
+    "preprocess: output made by another command": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", _input(t, [GOOD.encode()]), "-o", _protected_output(t, m), *P], ["out", "--overwrite"]),
+    "preprocess: missing input": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", t / "none.jsonl", "-o", t / "x", *P], ["none.jsonl"]),
+    "preprocess: bad record": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", _input(t, [GOOD.encode(), b'{"body": 1}']), "-o", t / "x", *P], ["in.jsonl line 2", "text"]),
+    "preprocess: --workers -1": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", _input(t, [GOOD.encode()]), "-o", t / "x", "--no-progress", "-t", "byte", "-j", "-1"], ["--workers"]),
+    "preprocess: document over --max-document-bytes": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", _input(t, [GOOD.encode(), json.dumps({"text": "word " * 400}).encode()]), "-o", t / "x", *P,
+        "--max-document-bytes", "1000"], ["in.jsonl line 2", "--max-document-bytes"]),
+    "preprocess: output directory missing": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", _input(t, [GOOD.encode()]), "-o", t / "no" / "x", *P], ["does not exist"]),
+    "preprocess: output directory not writable (/sys)": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", _input(t, [GOOD.encode()]), "-o", "/sys/x", *P], ["/sys", "not writable"]),
+    "preprocess: tokenizer missing": ("data_pipeline.preprocess", lambda t, m: [
+        "-i", _input(t, [GOOD.encode()]), "-o", t / "x", "--no-progress", "-t", t / "tok.model"], ["tok.model"]),
+    "train_tokenizer: --vocab-size 0": ("data_pipeline.train_tokenizer", lambda t, m: [
+        "-i", _input(t, [GOOD.encode()]), "-o", t / "sp", "--vocab-size", "0", "--no-progress"], ["--vocab-size"]),
+    "train_tokenizer: model exists": ("data_pipeline.train_tokenizer", lambda t, m: [
+        "-i", _input(t, [GOOD.encode()]), "-o", _model(t), "--vocab-size", "100", "--no-progress"],
+        ["sp.model", "--overwrite"]),
+    "train_tokenizer: missing input": ("data_pipeline.train_tokenizer", lambda t, m: [
+        "-i", t / "none.jsonl", "-o", t / "sp", "--vocab-size", "100", "--no-progress"], ["none.jsonl"]),
+}
+
+
+def _model(tmp_path) -> str:
+    for ext in (".model", ".vocab"):
+        (tmp_path / f"sp{ext}").write_text("someone's tokenizer\n")
+    return str(tmp_path / "sp")
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_refuses(case, tmp_path, made):
+    module, build, names = CLI_CASES[case]
+    argv = build(tmp_path, made)
+    expect_refusal(module, argv, names=names, cwd=tmp_path)
+
+
+def test_preprocess_at_the_file_size_limit_keeps_nothing(tmp_path):
+    """A full disk / `ulimit -f` while writing: one line, exit 1, no output, no temporaries."""
+    from data_pipeline.datasets import DEMO_CORPUS
+
+    expect_refusal("data_pipeline.preprocess", ["-i", DEMO_CORPUS, "-o", tmp_path / "x", *P], cwd=tmp_path,
+                   names=["x.bin", "File too large", "no output was left"], code=1, file_size_limit=256 << 10)
+
+
+def test_too_long_documents_are_skipped_and_counted_when_asked(tmp_path):
+    path = _input(tmp_path, [GOOD.encode(), json.dumps({"text": "word " * 400}).encode(), GOOD.encode()])
+    summary = preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=1,
+                         skip_bad_records=True, max_document_bytes=1000)
+    assert dict(summary.skipped) == {"document too long": 1} and summary.total("documents") == 2
+    assert "line 2: document of 2,000 bytes exceeds --max-document-bytes 1,000" in summary.outputs[0].examples[0]

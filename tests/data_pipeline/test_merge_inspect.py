@@ -77,4 +77,4 @@ def test_inspect_reports_counts_and_decodes(shards, capsys):
     out = capsys.readouterr().out
     assert "uint16" in out and "40" in out and "3,999" not in out.split("largest token id")[0]
     assert "Genesis 1" in out and "document 0:" in out and "histogram" in out
-    assert inspect_main([str(tmp_path / "nothing")]) == 1
+    assert inspect_main([str(tmp_path / "nothing")]) == 2

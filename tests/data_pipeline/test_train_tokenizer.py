@@ -52,6 +52,6 @@ def test_errors(tmp_path, capsys):
               progress=False)
     (tmp_path / "tiny.txt").write_text("just a few words\n")
     assert main(["-i", str(tmp_path / "tiny.txt"), "-o", str(tmp_path / "x"), "--vocab-size",
-                 "5000", "--no-progress"]) == 1
+                 "5000", "--no-progress"]) == 2
     assert "sentencepiece training failed" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.txt"]

@@ -158,3 +158,44 @@ def test_rendered_scripts_are_valid_bash(base, extra, tmp_path, capsys):
     ("1-00:00:05", 86405), ("UNLIMITED", None)])
 def test_slurm_time_formats(text, seconds):
     assert slurm_time_seconds(text) == seconds
+
+
+def _rendezvous_block(script: str) -> str:
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("MASTER_ADDR="))
+    end = next(i for i, line in enumerate(lines) if line == "export MASTER_PORT")
+    return "\n".join(lines[start:end + 1])
+
+
+@pytest.mark.parametrize("python_on_host", [True, False])
+def test_rendezvous_port_is_free_on_the_batch_host(python_on_host, tmp_path, capsys):
+    """Two jobs sharing a node must not get one port: the script asks the kernel for a free
+    port on the batch host (where rank 0 runs); without python there, the job id's port."""
+    import socket
+
+    code, out, err = run(LLAMA70B_8X8 + ["--dry-run"], capsys)
+    assert code == 0, err
+    assert "20000 + SLURM_JOB_ID" not in _rendezvous_block(out).split("if ! MASTER_PORT")[0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    if not python_on_host:  # the image has python; the host, in this case, has none
+        (bin_dir / "python3").write_text("#!/bin/sh\necho 'python3: command not found' >&2\nexit 127\n")
+        (bin_dir / "python3").chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    probe = _rendezvous_block(out) + '\necho "$MASTER_ADDR $MASTER_PORT"'
+    ports = set()
+    for _ in range(2):
+        result = subprocess.run(["/bin/bash", "-c", probe], capture_output=True, text=True,
+                                env={"PATH": path, "SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "node1"})
+        assert result.returncode == 0, result.stderr
+        addr, port = result.stdout.split()[-2:]
+        assert addr == "node1"
+        ports.add(int(port))
+    if python_on_host:
+        for port in ports:
+            with socket.socket() as s:
+                s.bind(("", port))  # it was free (and still is)
+    else:
+        assert ports == {20000 + 1234} and "could not pick a free port" in result.stdout

@@ -91,3 +91,25 @@ def test_dry_run_prints_resolved_config_and_validates():
     assert "world size 60 is not divisible by TP(8) x PP(4) x CP(1) = 32" in bad.stderr
     unknown = _cli("--recipe", "llama-8b", "--dry-run")
     assert unknown.returncode == 2 and "Did you mean 'llama3-8b'" in unknown.stderr
+
+
+def test_model_flavor_override_replaces_the_model_then_fields_apply(tmp_path):
+    from models.config import get_flavor
+
+    config = resolve_config("tiny-llama", None, ["model=tiny-gpt", "model.num_layers=2"])
+    assert config.model == get_flavor("tiny-gpt").model_copy(update={"num_layers": 2})
+    assert get_flavor("tiny-gpt") != get_flavor("tiny-llama")  # the override changed something
+    yaml_file = tmp_path / "m.yaml"
+    yaml_file.write_text("model: tiny-llama-tied\n")
+    assert resolve_config("tiny-llama", str(yaml_file), []).model == get_flavor("tiny-llama-tied")
+
+
+def test_explicit_decay_must_outlast_warmup_and_floats_be_finite():
+    with pytest.raises(ConfigError, match="schedule.decay_steps=5 must exceed schedule.warmup_steps=10"):
+        apply_overrides(get_recipe("tiny-llama"), overrides=["schedule.warmup_steps=10", "schedule.decay_steps=5"])
+    config = apply_overrides(get_recipe("tiny-llama"), overrides=["schedule.warmup_steps=10",
+                                                                   "schedule.decay_steps=11"])
+    assert config.schedule.decay_steps == 11
+    for value in ("inf", "-inf", "nan"):
+        with pytest.raises(ConfigError, match="optimizer.lr: Input should be a finite number"):
+            apply_overrides(get_recipe("tiny-llama"), overrides=[f"optimizer.lr={value}"])

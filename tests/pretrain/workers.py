@@ -137,3 +137,31 @@ def optimizer_state_vs_megatron(recipe: str, overrides: list[str]) -> dict:
     finally:
         run.writer.close()
         shutdown()
+
+
+def stop_during_setup(overrides: list[str], signal_rank: int, at: str) -> dict:
+    """Run main_train; rank `signal_rank` sends itself SIGTERM when setup reaches `at`
+    (a function setup calls: validate_for_machine runs before the process group exists,
+    build_model_chunks after). Reports the exit code and whether the loop ever ran."""
+    import os
+    import signal
+
+    from pretrain import loop
+    from pretrain.cli import resolve_config
+
+    rank = int(os.environ.get("RANK", "0"))
+    real, real_train, trained = getattr(loop, at), loop.train, []
+
+    def signalled(*args, **kwargs):
+        if rank == signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    def train(*args, **kwargs):
+        trained.append(True)
+        return real_train(*args, **kwargs)
+
+    setattr(loop, at, signalled)
+    loop.train = train
+    code = loop.main_train(resolve_config("tiny-llama", None, overrides))
+    return {"code": code, "trained": bool(trained)}

@@ -55,11 +55,16 @@ export NCCL_DEBUG=WARN
 # variables inherited from the submitting shell would take precedence, so drop them.
 unset RANK WORLD_SIZE LOCAL_RANK
 
-# ---- Rendezvous: rank 0 runs on the first node of the allocation; the port comes
-# from the job id (as in pretrain.runtime), so jobs sharing a node do not collide ----
+# ---- Rendezvous: rank 0 runs on the first node of the allocation, where this script
+# runs (the batch host). The port is one the kernel finds free there now, so two jobs
+# sharing a node do not collide, as ports derived from job ids could. ----
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
-export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+if ! MASTER_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'); then
+    MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+    echo "[launch.slurm] warning: could not pick a free port on $(hostname); using $MASTER_PORT (job id)"
+fi
+export MASTER_PORT
 
 # ---- Training: one task per rank (srun) ----
 # Output: logs/ in the run directory, one file per node, each line prefixed with

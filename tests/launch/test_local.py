@@ -1,0 +1,64 @@
+"""launch.local: the printed command is the one that runs, and a stop signal sent to the
+launcher reaches the ranks, which save and exit 0 (nothing is left running)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from launch.launchers.local import main
+from tests.distributed import REPO
+
+BASE = ["data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
+        "checkpoint.resume=none", "schedule.micro_batch_size=2", "schedule.global_batch_size=4",
+        "schedule.seq_length=64", "schedule.eval_interval=0", "logging.log_interval=1"]
+
+
+def test_dry_run_prints_a_command_the_shell_reads_back_verbatim(tmp_path, capsys):
+    hostile = f"name=x; touch {tmp_path}/pwned $(id) `id`"
+    assert main(["--recipe", "tiny-llama", "--dry-run", *BASE, hostile]) == 0
+    printed = capsys.readouterr().out.strip()
+    argv = shlex.split(printed)
+    assert argv[-1] == hostile and argv[0] == sys.executable
+    subprocess.run(["bash", "-c", f"set -- {printed}; echo \"$#\""], check=True, capture_output=True)
+    assert not (tmp_path / "pwned").exists()
+
+
+def _metrics(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if '"loss"' in line]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path):
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", "2",
+         "parallel.pipeline_parallel=2", *BASE, "schedule.train_steps=100000", f"logging.run_dir={run_dir}",
+         f"checkpoint.dir={ckpt}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while len(_metrics(run_dir)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        time.sleep(0.1)
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out
+    stopped = len(_metrics(run_dir))
+    assert "stopping after step" in out and "Traceback" not in out
+    latest = (ckpt / "latest").read_text().strip()
+    assert latest == f"step_{stopped:08d}" and (ckpt / latest / "COMPLETE").is_file()
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, f"left running: {[p.pid for p in alive]}"
