@@ -54,6 +54,7 @@ class Bucket:
     numel: int
     chunk: int  # Megatron-FSDP's chunk_size_factor
     expert: bool
+    unit: bool = False  # a TransformerLayer's bucket under ZeRO-3 (gathered and released per layer)
 
     def padded(self, shard: int) -> int:
         """Elements after padding to a multiple of shard x chunk."""
@@ -154,9 +155,9 @@ def _buckets(m: ModelConfig, zero: int, tp: int, pp: int, ep: int, etp: int, fir
     layers = m.num_layers // pp
     root = (embedding_parameters(m, tp) if first else []) + (output_parameters(m, tp, pp) if last else [])
     if zero == 3:  # one unit per layer, the rest in non-unit groups
-        units = [Bucket(sum(n for n, _ in dense), chunk_size_factor(dense), False)]
+        units = [Bucket(sum(n for n, _ in dense), chunk_size_factor(dense), False, unit=True)]
         if expert:
-            units.append(Bucket(sum(n for n, _ in expert), chunk_size_factor(expert), True))
+            units.append(Bucket(sum(n for n, _ in expert), chunk_size_factor(expert), True, unit=True))
         out = units * layers + (_split(root, bucket_size, False) if root else [])
         return tuple(out)
     # ZeRO-2: no units; parameters in module order (embedding, layers, final norm, output).
@@ -192,17 +193,29 @@ def fsdp_held_elements(c: Candidate, stage: int = 0, slices: tuple[int, int] = (
     return HeldElements(full=full, shard=shard, real=real)
 
 
-def sharding_buffer_elements(c: Candidate, stage: int = 0) -> tuple[float, float]:
-    """Temporary elements at the end of backward, (gradients, parameters):
-    gradients: each bucket's unsharded gradient is allocated at its first gradient and freed
-    only once more than COMM_UNIT_ELEMENTS wait in the reduce-scatter queue
-    (GradReducePipeline.wait_for_previous_grad_reduce), so G = min(all buckets,
-    COMM_UNIT_ELEMENTS + the two largest buckets: the one filling and the one just queued).
-    parameters (ZeRO-3): the unit in use plus up to COMM_UNIT_ELEMENTS / 2 prefetched,
-    A = min(all buckets, COMM_UNIT_ELEMENTS / 2 + the largest bucket); 0 under ZeRO-2, whose
-    parameters stay whole."""
-    padded = sorted((b.padded(_shard(c, b)) for b in fsdp_buckets(c, stage)), reverse=True)
+def sharding_buffer_bytes(c: Candidate, stage: int = 0) -> float:
+    """Megatron-FSDP's temporary buckets at their peak, in bytes (padded bucket sizes; e bytes
+    per parameter, 4 per fp32 gradient; Q = COMM_UNIT_ELEMENTS):
+    gradients: a bucket's unsharded gradient is allocated at its first gradient and freed
+    only once more than Q elements wait in the reduce-scatter queue
+    (GradReducePipeline.wait_for_previous_grad_reduce), so at the end of backward
+    G = min(all buckets, Q + the two largest buckets: the one filling and the one just queued).
+    ZeRO-2 (parameters stay whole): 4 G.
+    ZeRO-3: the non-unit buckets R (embedding, output layer) stay gathered through forward and
+    backward; a layer's bucket is gathered when used and the next ones prefetched up to Q / 2
+    elements: A = R + min(all units, Q / 2 + the largest unit U). The peak is the larger of
+    the start of backward, e A + 4 (R + U) (first gradients: output layer, last layer), and
+    its end, e R + 4 min(all buckets, Q + R + U) (units released, gradients queued).
+    On tiny models (everything below Q) this is exactly what a CPU run allocates."""
+    buckets = fsdp_buckets(c, stage)
+    padded = [b.padded(_shard(c, b)) for b in buckets]
     total = sum(padded)
-    grads = min(total, COMM_UNIT_ELEMENTS + sum(padded[:2]))
-    params = min(total, COMM_UNIT_ELEMENTS / 2 + padded[0]) if c.zero == 3 else 0.0
-    return grads, params
+    if c.zero == 2:
+        return 4.0 * min(total, COMM_UNIT_ELEMENTS + sum(sorted(padded, reverse=True)[:2]))
+    units = [p for p, b in zip(padded, buckets) if b.unit]
+    root = total - sum(units)
+    largest = max(units, default=0)
+    gathered = root + min(sum(units), COMM_UNIT_ELEMENTS / 2 + largest)
+    start = c.param_bytes * gathered + 4.0 * (root + largest)
+    end = c.param_bytes * root + 4.0 * min(total, COMM_UNIT_ELEMENTS + root + largest)
+    return max(start, end)

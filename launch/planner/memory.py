@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 from launch.planner.candidate import Candidate
-from launch.planner.fsdp_buckets import fsdp_held_elements, sharding_buffer_elements
+from launch.planner.fsdp_buckets import fsdp_held_elements
+from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
 from models.config import ModelConfig
 from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params
 
@@ -363,14 +364,9 @@ def overhead_bytes(activations: float, options: MemoryOptions) -> float:
 
 
 def sharding_buffer_bytes(c: Candidate) -> float:
-    """Megatron-FSDP's temporary buckets at the end of backward (ZeRO-2/3; 0 otherwise):
-    unsharded fp32 gradient buckets queued for reduce-scatter, 4 x G, and under ZeRO-3 the
-    all-gathered parameters of the units in use and prefetched, e x A (G, A:
-    fsdp_buckets.sharding_buffer_elements)."""
-    if not c.fsdp:
-        return 0.0
-    grads, params = sharding_buffer_elements(c)
-    return GRAD_BYTES * grads + c.param_bytes * params
+    """Megatron-FSDP's temporary all-gather / reduce-scatter buckets at their peak under
+    ZeRO-2/3 (formula: launch.planner.fsdp_buckets.sharding_buffer_bytes); 0 otherwise."""
+    return _fsdp_sharding_buffer_bytes(c) if c.fsdp else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
