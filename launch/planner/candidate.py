@@ -8,7 +8,7 @@ a plan is about exactly the run that `python -m pretrain` would start.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Optional
 
 from models.config import ModelConfig
 from models.layout import ParallelLayout
@@ -17,6 +17,18 @@ from pretrain.config import ExperimentConfig
 Recompute = Literal["none", "selective", "full"]
 # Bytes per element of parameters and of stored activations, by training dtype.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# ZeRO stage <-> the training's `parallel.sharding` value. ZeRO-1 is Megatron's distributed
+# optimizer; ZeRO-2/3 are Megatron-FSDP's `optim_grads` / `optim_grads_params`.
+SHARDING_NAMES = {0: "none", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+def zero_stage(config: ExperimentConfig) -> int:
+    """The ZeRO stage a config trains with: `parallel.sharding`, or when unset
+    `optimizer.distributed` (ZeRO-1 if true, ZeRO-0 if false), as the training reads it."""
+    sharding = config.parallel.sharding
+    if sharding is None:
+        return 1 if config.optimizer.distributed else 0
+    return {name: stage for stage, name in SHARDING_NAMES.items()}[sharding]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,7 +42,17 @@ class Candidate:
     dtype: str = "bf16"
     fp8: bool = False
     recompute: Recompute = "none"
-    distributed_optimizer: bool = True
+    # Data-parallel sharding: 0 = none, 1 = optimizer state (Megatron's distributed
+    # optimizer), 2 = + gradients, 3 = + parameters (Megatron-FSDP).
+    zero: int = 1
+    # HSDP (ZeRO-2/3 only): shards live in groups of DP / hsdp_replicas ranks and are
+    # replicated across hsdp_replicas such groups.
+    hsdp_replicas: int = 1
+    # Optimizer CPU offload (GPU only): fp32 main weights and Adam moments live in host memory.
+    offload: bool = False
+    # optimizer.bucket_size (parameters per bucket; None = Megatron's default): sets the size
+    # of Megatron-FSDP's gradient reduce-scatter buckets.
+    bucket_size: Optional[int] = None
     # Flash/fused attention (Transformer Engine spec) stores no s x s score matrix.
     flash_attention: bool = True
     # Our TransformerConfig sets hidden/attention dropout to 0 (no masks are stored); True
@@ -40,36 +62,48 @@ class Candidate:
     @classmethod
     def from_config(cls, config: ExperimentConfig, world_size: int, *, flash_attention: bool | None = None
                     ) -> "Candidate":
-        """The candidate a config describes; flash attention unless the spec is `portable`."""
+        """The candidate a config describes; flash attention unless the spec is `portable`.
+        The sharding keys live in `zero` / `hsdp_replicas` / `offload`; `layout` keeps only
+        the model-parallel ones (its sharding keys at their defaults), so one fact has one home."""
         sched = config.schedule
         return cls(
-            model=config.model, layout=config.parallel, world_size=world_size,
+            model=config.model, layout=_model_parallel_only(config.parallel), world_size=world_size,
             micro_batch=sched.micro_batch_size, global_batch=sched.global_batch_size,
             seq_length=sched.seq_length, dtype=config.runtime.dtype, fp8=bool(config.runtime.fp8),
-            recompute=config.runtime.recompute, distributed_optimizer=config.optimizer.distributed,
+            recompute=config.runtime.recompute, zero=zero_stage(config),
+            hsdp_replicas=config.parallel.hsdp_replicas, offload=config.optimizer.cpu_offload,
+            bucket_size=config.optimizer.bucket_size,
             flash_attention=(config.runtime.spec != "portable") if flash_attention is None else flash_attention,
         )
 
     def apply_to(self, config: ExperimentConfig) -> ExperimentConfig:
-        """`config` with this candidate's layout, batch, recompute and optimizer choices."""
+        """`config` with this candidate's layout, sharding, batch, recompute and optimizer choices."""
         return config.model_copy(update=dict(
             model=self.model,
-            parallel=self.layout,
+            parallel=self.layout.model_copy(update=self._sharding_keys()),
             schedule=config.schedule.model_copy(update=dict(
                 micro_batch_size=self.micro_batch, global_batch_size=self.global_batch,
                 seq_length=self.seq_length)),
             runtime=config.runtime.model_copy(update=dict(recompute=self.recompute)),
-            optimizer=config.optimizer.model_copy(update=dict(distributed=self.distributed_optimizer)),
+            optimizer=config.optimizer.model_copy(update=self._optimizer_keys()),
         ))
+
+    def _sharding_keys(self) -> dict:
+        return {"sharding": SHARDING_NAMES[self.zero], "hsdp_replicas": self.hsdp_replicas}
+
+    def _optimizer_keys(self) -> dict:
+        # ZeRO-0 is the one stage without Megatron's distributed optimizer; set it explicitly
+        # so `optimizer.distributed` never contradicts `parallel.sharding`.
+        return {"distributed": self.zero >= 1, "cpu_offload": self.offload}
 
     def overrides(self) -> dict:
         """The nested YAML overrides (`pretrain --config FILE`) that select this candidate."""
         return {
-            "parallel": self.layout.model_dump(),
+            "parallel": {**self.layout.model_dump(), **self._sharding_keys()},
             "schedule": {"micro_batch_size": self.micro_batch, "global_batch_size": self.global_batch,
                          "seq_length": self.seq_length},
             "runtime": {"recompute": self.recompute},
-            "optimizer": {"distributed": self.distributed_optimizer},
+            "optimizer": self._optimizer_keys(),
         }
 
     # Sizes of the process groups, as Megatron-Core builds them.
@@ -113,6 +147,27 @@ class Candidate:
         return self.layout.expert_data_parallel(self.world_size)
 
     @property
+    def distributed_optimizer(self) -> bool:
+        """Megatron's distributed optimizer (ZeRO-1) or Megatron-FSDP's (ZeRO-2/3)."""
+        return self.zero >= 1
+
+    @property
+    def fsdp(self) -> bool:
+        """ZeRO-2/3 run on Megatron-FSDP (its own buffers, bucketing and collectives)."""
+        return self.zero >= 2
+
+    @property
+    def dense_zero_shard(self) -> int:
+        """Ranks over which sharded dense state is split: DP x CP, divided by the HSDP
+        replicas (each replica group holds a whole copy)."""
+        return self.dense_shard // self.hsdp_replicas
+
+    @property
+    def expert_zero_shard(self) -> int:
+        """Ranks over which sharded expert state is split: expert-DP (MoE has no HSDP)."""
+        return self.expert_shard // self.hsdp_replicas
+
+    @property
     def num_microbatches(self) -> int:
         return self.global_batch // (self.micro_batch * self.dp)
 
@@ -128,5 +183,18 @@ class Candidate:
         parts = [self.layout.describe(self.world_size), f"mbs{self.micro_batch}"]
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
-        parts.append("distopt" if self.distributed_optimizer else "no-distopt")
+        parts.append(self.sharding_label())
         return " ".join(parts)
+
+    def sharding_label(self) -> str:
+        """'zero1', 'zero3 hsdp4', 'zero1 offload'."""
+        label = f"zero{self.zero}"
+        if self.hsdp_replicas > 1:
+            label += f" hsdp{self.hsdp_replicas}"
+        if self.offload:
+            label += " offload"
+        return label
+
+
+def _model_parallel_only(layout: ParallelLayout) -> ParallelLayout:
+    return layout.model_copy(update={"sharding": None, "hsdp_replicas": 1})

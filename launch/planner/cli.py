@@ -4,6 +4,7 @@
     python -m launch.plan --recipe llama3-8b --gpus 8 --seq 4096 --global-batch 256 \
         --write-override best.yaml          # then: python -m launch.slurm ... --config best.yaml
     python -m launch.plan --recipe gpt3-175b --gpus 1024 --recompute selective full --top 5
+    python -m launch.plan --recipe llama3-70b --gpus 16 --zero 2 3 --json > plan.json
 
 The command line of `launch.planner`: the search is `launch.planner.search`, the memory and
 time models `launch.planner.memory` / `launch.planner.throughput`, the tables
@@ -17,16 +18,32 @@ import argparse
 import os
 import sys
 
+import json
+from typing import Optional
+
 from data_pipeline.checks import finite_float, fraction, nonnegative_int, positive_int, print_error, writable_dir_problem
 from launch.planner.devices import UnknownDeviceError, get_device
 from launch.planner.memory import MemoryOptions
-from launch.planner.search import PlanError, SearchSpace, plan
+from launch.planner.search import PlanError, SearchSpace, no_fit_message, rank_layouts
 from launch.planner.throughput import ThroughputOptions
 from pretrain.config import ConfigError
 
 
+def _count(text: str) -> Optional[int]:
+    """A row count: a non-negative integer, or 'all' (None)."""
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'all', got {text!r}")
+    return value
+
+
 def _overlap_options(items: list[str], efficiency: float) -> ThroughputOptions:
-    kinds = ("tp", "cp", "ep", "pp", "dp")
+    kinds = ("tp", "cp", "ep", "pp", "dp", "zero", "offload")
     values = {}
     for item in items:
         kind, _, frac = item.partition("=")
@@ -62,19 +79,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro batch sizes to try")
     p.add_argument("--recompute", nargs="+", choices=["none", "selective", "full"],
                    default=["none", "selective", "full"])
-    p.add_argument("--distributed-optimizer", choices=["on", "off", "both"], default="both")
+    p.add_argument("--zero", type=int, nargs="+", choices=[0, 1, 2, 3], default=[0, 1, 2, 3],
+                   help="ZeRO stages to try: 0 none, 1 optimizer state sharded (Megatron's distributed "
+                        "optimizer), 2 + gradients, 3 + parameters (Megatron-FSDP); default all")
+    p.add_argument("--hsdp", type=int, nargs="+", metavar="REPLICAS",
+                   help="HSDP replica counts to try with ZeRO-2/3 (1 = plain sharding; default 1 and every "
+                        "divisor of DP)")
+    p.add_argument("--offload", choices=["on", "off", "both"], default="both",
+                   help="optimizer CPU offload (fp32 main weights and Adam moments in host memory)")
     for axis in ("tp", "pp", "vpp", "cp", "ep"):
         p.add_argument(f"--{axis}", type=positive_int, nargs="+", help=f"{axis.upper()} sizes to try (default: all valid)")
     p.add_argument("--efficiency", type=fraction, default=ThroughputOptions.efficiency,
                    help="achievable fraction of peak FLOP/s for the math")
     p.add_argument("--overlap", action="append", default=[], metavar="KIND=FRACTION",
-                   help="fraction of a communication hidden by compute (tp, cp, ep, pp, dp or all)")
+                   help="fraction of a communication hidden by compute (tp, cp, ep, pp, dp, zero, offload or all)")
     p.add_argument("--framework-gib", type=_nonnegative, default=MemoryOptions.framework_gib,
                    help="fixed per-GPU allowance for CUDA context, NCCL, workspaces")
     p.add_argument("--fragmentation", type=_nonnegative, default=MemoryOptions.fragmentation,
                    help="allocator slack as a fraction of activation memory")
-    p.add_argument("--top", type=positive_int, default=10, help="rows of the ranking to print")
-    p.add_argument("--show-dropped", type=nonnegative_int, default=3, help="closest non-fitting layouts to print")
+    p.add_argument("--top", type=_count, default=10, help="rows of the ranking to print (a number or all)")
+    p.add_argument("--show-dropped", type=_count, default=3,
+                   help="closest non-fitting layouts to print (a number or all)")
+    p.add_argument("--json", action="store_true",
+                   help='print one JSON document {"candidates": [...]} instead of the tables: the --top '
+                        "fastest layouts that fit, then the --show-dropped closest that do not, with the reason")
     p.add_argument("--write-override", metavar="FILE.yaml", help="write the best layout as recipe overrides")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, as for python -m pretrain")
     return p
@@ -83,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from launch.planner.report import print_plan, write_override
+    from launch.planner.report import plan_json, print_plan, write_override
     from pretrain.cli import resolve_config
 
     args = build_parser().parse_args(argv)
@@ -92,28 +120,41 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"schedule.seq_length={args.seq}")
     if args.global_batch is not None:
         overrides.append(f"schedule.global_batch_size={args.global_batch}")
-    dist_opt = {"on": (True,), "off": (False,), "both": (True, False)}[args.distributed_optimizer]
+    offload = {"on": (True,), "off": (False,), "both": (False, True)}[args.offload]
     space = SearchSpace(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                         micro_batch=tuple(args.micro_batch), recompute=tuple(args.recompute),
-                        distributed_optimizer=dist_opt)
+                        zero=tuple(args.zero), hsdp=args.hsdp, offload=offload)
     memory_options = MemoryOptions(framework_gib=args.framework_gib, fragmentation=args.fragmentation)
+    tput = None
     try:
         if args.write_override:  # before the search, not after it
             problem = writable_dir_problem(os.path.dirname(os.path.abspath(args.write_override)))
             if problem:
                 raise PlanError(f"--write-override {args.write_override}: {problem}")
+        tput = _overlap_options(args.overlap, args.efficiency)
         config = resolve_config(args.recipe, args.config, overrides)
         device = get_device(args.gpu)
-        result = plan(config, world_size=args.gpus, device=device, space=space, memory_options=memory_options,
-                      throughput_options=_overlap_options(args.overlap, args.efficiency))
+        result = rank_layouts(config, world_size=args.gpus, device=device, space=space,
+                              memory_options=memory_options, throughput_options=tput)
+        if not result.ranked and not args.json:
+            raise PlanError(no_fit_message(result, space, memory_options, tput))
     except (PlanError, ConfigError, UnknownDeviceError, ValueError) as exc:
         print_error(exc)
         return 2
-    console = Console(width=max(Console().width, 180))  # wide tables; piped output defaults to 80
-    print_plan(result, console=console, top=args.top, show_dropped=args.show_dropped, options=memory_options)
+    if args.json:
+        # stdout holds the one JSON document; anything else goes to stderr.
+        print(json.dumps(plan_json(result, top=args.top, show_dropped=args.show_dropped), indent=1))
+        if not result.ranked:
+            print(f"note: {no_fit_message(result, space, memory_options, tput)}", file=sys.stderr)
+            return 0
+        log = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    else:
+        console = Console(width=max(Console().width, 180))  # wide tables; piped output defaults to 80
+        print_plan(result, console=console, top=args.top, show_dropped=args.show_dropped)
+        log = console.print
     if args.write_override:
         path = write_override(result, args.recipe, args.write_override)
-        console.print(f"wrote {path}: python -m pretrain --recipe {args.recipe} --config {path}")
+        log(f"wrote {path}: python -m pretrain --recipe {args.recipe} --config {path}")
     return 0
 
 

@@ -6,6 +6,9 @@ Bandwidths are per GPU and per direction, from NVIDIA's datasheets:
   NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional -> 450 GB/s each way.
   InfiniBand NDR, one 400 Gb/s NIC per GPU (DGX/HGX H100): 50 GB/s each way.
   H100 PCIe: no NVLink switch; PCIe Gen5 x16 is 64 GB/s each way.
+Host side (optimizer CPU offload), per GPU of a DGX-class node (DGX H100/H200 datasheets):
+  PCIe Gen5 x16 to the host, 64 GB/s each way; 2 TB of system memory for 8 GPUs (256 GB
+  each); two Xeon 8480C sockets of 8 DDR5-4800 channels, 614 GB/s for 8 GPUs (77 each).
 Memory is what `torch.cuda.get_device_properties().total_memory` reports (nvidia-smi's
 81559 MiB for "80 GB" parts, 143771 MiB for H200), not the marketing figure.
 """
@@ -29,10 +32,17 @@ class Device:
     intra_node_gbps: float  # GB/s per GPU per direction (NVLink, or PCIe without it)
     inter_node_gbps: float  # GB/s per GPU per direction (InfiniBand)
     gpus_per_node: int = 8
+    pcie_gbps: float = 64.0  # GB/s per GPU per direction to the host (PCIe Gen5 x16)
+    host_memory_gib: float = 2000 * 1e9 / GIB / 8  # host memory per GPU
+    host_memory_gbps: float = 614.0 / 8  # host DRAM bandwidth per GPU (CPU optimizer step)
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * GIB
+
+    @property
+    def host_memory_bytes(self) -> float:
+        return self.host_memory_gib * GIB
 
     def peak(self, dtype: str, fp8: bool = False) -> float:
         """Peak FLOP/s (not TFLOP/s) for the math dtype."""

@@ -6,8 +6,9 @@ k router top-k, f_e expert FFN hidden, s sequence, b micro batch; t TP, p PP, v 
 c CP, EP/ETP expert parallel / expert TP, P parameters held by a rank.
 
 Static terms mirror what `pretrain.wrap.wrap_for_training` allocates (Megatron DDP with
-grad_reduce_in_fp32=True, Megatron's mixed-precision / distributed optimizer, Adam);
-tests/launch/test_memory_measured.py checks them against the bytes actually allocated.
+grad_reduce_in_fp32=True and Megatron's mixed-precision / distributed optimizer for ZeRO-0/1,
+Megatron-FSDP for ZeRO-2/3, Adam); tests/launch/test_memory_measured.py checks them against
+the bytes actually allocated on every rank.
 Activation terms follow Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (2022), generalised to GQA, SwiGLU, flash attention and MoE; with
 their assumptions (MHA, f=4h, GeLU, dropout, no flash) they reduce to the paper's
@@ -20,9 +21,10 @@ decides which of those parameters a rank holds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from launch.planner.candidate import Candidate
+from launch.planner.fsdp_buckets import fsdp_held_elements
+from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
 from models.config import ModelConfig
 from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params
 
@@ -124,12 +126,12 @@ def params_on_rank(c: Candidate, stage: int) -> RankParams:
 
 # --------------------------------------------------------------------------------------
 # Static memory: parameters, gradients, optimizer state
-
-
-def zero_stage_of(c: Candidate) -> int:
-    """Megatron's distributed optimizer is ZeRO-1 (optimizer state sharded, grads and
-    params whole); without it, ZeRO-0."""
-    return 1 if c.distributed_optimizer else 0
+#
+# ZeRO-0/1 run on Megatron's DDP (one fp32 gradient buffer over all parameters) and, for
+# ZeRO-1, its distributed optimizer (fp32 main weights and Adam moments sharded over DP x CP,
+# expert ones over expert-DP). ZeRO-2/3 run on Megatron-FSDP, which keeps every buffer in
+# padded buckets (launch.planner.fsdp_buckets) sharded over the same groups, divided by the
+# HSDP replicas. With optimizer CPU offload the main weights and moments live on the host.
 
 
 def _sharded(c: Candidate, p: RankParams, bytes_per: int, sharded: bool) -> float:
@@ -138,32 +140,59 @@ def _sharded(c: Candidate, p: RankParams, bytes_per: int, sharded: bool) -> floa
     return (p.dense / c.dense_shard + p.expert / c.expert_shard) * bytes_per
 
 
-def param_bytes(c: Candidate, stage: int, zero: int) -> float:
-    """Model parameters: P x bytes(dtype) (2 for bf16/fp16, 4 for fp32);
-    ZeRO-3 what-if: P_dense / (DP x CP) + P_expert / expert-DP."""
-    return _sharded(c, params_on_rank(c, stage), c.param_bytes, zero >= 3)
+def param_bytes(c: Candidate, stage: int) -> float:
+    """Model parameters, e = bytes(dtype) (2 for bf16/fp16, 4 for fp32):
+    ZeRO-0/1: e x P. ZeRO-2: e x B (every padded bucket whole: the forward reads them
+    unsharded). ZeRO-3: e x B / shard (the rank's shard; fsdp_held_elements)."""
+    if c.fsdp:
+        held = fsdp_held_elements(c)
+        return c.param_bytes * (held.full if c.zero == 2 else held.shard)
+    return _sharded(c, params_on_rank(c, stage), c.param_bytes, False)
 
 
-def grad_bytes(c: Candidate, stage: int, zero: int) -> float:
-    """Gradient buffer: P x 4 (fp32, grad_reduce_in_fp32=True) on every DP rank under
-    ZeRO-0/1 (the distributed optimizer reduce-scatters into the full buffer);
-    ZeRO-2/3 what-if: divided by the DP shard sizes."""
-    return _sharded(c, params_on_rank(c, stage), GRAD_BYTES, zero >= 2)
+def grad_bytes(c: Candidate, stage: int) -> float:
+    """Gradient buffer in fp32 (grad_reduce_in_fp32=True): ZeRO-0/1: 4 P on every DP rank
+    (the distributed optimizer reduce-scatters into the full buffer); ZeRO-2/3: 4 B / shard."""
+    if c.fsdp:
+        return GRAD_BYTES * fsdp_held_elements(c).shard
+    return _sharded(c, params_on_rank(c, stage), GRAD_BYTES, False)
 
 
-def main_param_bytes(c: Candidate, stage: int, zero: int) -> float:
-    """fp32 master weights of 16-bit parameters: 4 x P, or 4 x (P_dense / (DP x CP) +
-    P_expert / expert-DP) under ZeRO>=1. fp32 parameters need none (the optimizer
-    updates them in place; the distributed optimizer uses views of them)."""
-    if c.param_bytes == 4:
+def main_param_bytes(c: Candidate, stage: int) -> float:
+    """fp32 master weights of 16-bit parameters: ZeRO-0: 4 P; ZeRO-1: 4 (P_dense / (DP x CP)
+    + P_expert / expert-DP); ZeRO-2/3: 4 B / shard (Megatron-FSDP's main_weight_buffer,
+    preserve_fp32_weights=True). fp32 parameters need none (the optimizer updates them in
+    place; training wraps ZeRO-2/3 with preserve_fp32_weights=False). 0 on the GPU with
+    CPU offload (host_bytes)."""
+    if c.param_bytes == 4 or c.offload:
         return 0.0
-    return _sharded(c, params_on_rank(c, stage), MAIN_PARAM_BYTES, zero >= 1)
+    if c.fsdp:
+        return MAIN_PARAM_BYTES * fsdp_held_elements(c).shard
+    return _sharded(c, params_on_rank(c, stage), MAIN_PARAM_BYTES, c.zero >= 1)
 
 
-def optimizer_state_bytes(c: Candidate, stage: int, zero: int) -> float:
-    """Adam moments exp_avg and exp_avg_sq in fp32: 8 x P, sharded as main params under
-    ZeRO>=1: 8 x (P_dense / (DP x CP) + P_expert / expert-DP)."""
-    return _sharded(c, params_on_rank(c, stage), ADAM_STATE_BYTES, zero >= 1)
+def optimizer_state_bytes(c: Candidate, stage: int, slices: tuple[int, int] = (0, 0)) -> float:
+    """Adam moments exp_avg and exp_avg_sq in fp32: ZeRO-0: 8 P; ZeRO-1: 8 (P_dense / (DP x CP)
+    + P_expert / expert-DP); ZeRO-2/3: 8 x the parameter elements in the rank's slices (the
+    moments are DTensors over the parameters, not the padding; `slices`: the rank's index in
+    its dense / expert shard group, default the fullest). 0 on the GPU with CPU offload."""
+    if c.offload:
+        return 0.0
+    if c.fsdp:
+        return ADAM_STATE_BYTES * fsdp_held_elements(c, stage, slices).real
+    return _sharded(c, params_on_rank(c, stage), ADAM_STATE_BYTES, c.zero >= 1)
+
+
+def host_bytes(c: Candidate, stage: int) -> float:
+    """Host memory per GPU with optimizer CPU offload (Megatron's HybridDeviceOptimizer): fp32
+    main weights, fp32 gradients (copied down for the CPU step) and Adam moments of the
+    parameters this rank's optimizer updates, 16 bytes each: all P under ZeRO-0, the rank's
+    shard otherwise; 0 without offload."""
+    if not c.offload:
+        return 0.0
+    if c.fsdp:
+        return 16 * fsdp_held_elements(c).real
+    return _sharded(c, params_on_rank(c, stage), 16, c.zero >= 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -327,20 +356,22 @@ class MemoryOptions:
     # Caching-allocator fragmentation and short-lived temporaries (SP all-gathers,
     # cross-entropy scratch), as a fraction of the activation memory.
     fragmentation: float = 0.10
-    # ZeRO stage what-if (0-3); None = what the config does (1 with the distributed optimizer).
-    zero_stage: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not (self.framework_gib >= 0 and self.fragmentation >= 0):  # also refuses NaN
             raise ValueError(f"framework_gib={self.framework_gib:g} and fragmentation={self.fragmentation:g} "
                              "must be >= 0")
-        if self.zero_stage not in (None, 0, 1, 2, 3):
-            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
 
 
 def overhead_bytes(activations: float, options: MemoryOptions) -> float:
     """framework_gib x 2^30 + fragmentation x activations."""
     return options.framework_gib * GIB + options.fragmentation * activations
+
+
+def sharding_buffer_bytes(c: Candidate) -> float:
+    """Megatron-FSDP's temporary all-gather / reduce-scatter buckets at their peak under
+    ZeRO-2/3 (formula: launch.planner.fsdp_buckets.sharding_buffer_bytes); 0 otherwise."""
+    return _fsdp_sharding_buffer_bytes(c) if c.fsdp else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +382,9 @@ class MemoryBreakdown:
     main_params: float
     optimizer_states: float
     activations: float
-    overhead: float
+    overhead: float  # framework allowance + fragmentation
+    sharding_buffers: float = 0.0  # Megatron-FSDP's temporary gather / reduce-scatter buckets
+    host: float = 0.0  # host memory per GPU (CPU offload); not part of total
 
     @property
     def static(self) -> float:
@@ -359,31 +392,36 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.static + self.activations + self.overhead
+        """GPU memory: static + activations + overhead + sharding buffers."""
+        return self.static + self.activations + self.overhead + self.sharding_buffers
 
     def terms(self) -> dict[str, float]:
         return {"params": self.params, "grads": self.grads, "main params": self.main_params,
                 "optimizer": self.optimizer_states, "activations": self.activations,
-                "overhead": self.overhead}
+                "overhead": self.overhead, "FSDP buffers": self.sharding_buffers}
 
     def describe(self) -> str:
         """'params 14.9 + grads 29.9 + ... = 81.2 GiB (stage 0)'."""
         parts = " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.terms().items() if v)
-        return f"{parts} = {self.total / GIB:.1f} GiB (pipeline stage {self.stage})"
+        host = f", host {self.host / GIB:.1f} GiB" if self.host else ""
+        return f"{parts} = {self.total / GIB:.1f} GiB (pipeline stage {self.stage}){host}"
 
 
-def memory_on_stage(c: Candidate, stage: int, options: MemoryOptions = MemoryOptions()) -> MemoryBreakdown:
-    """Every term for pipeline rank `stage`."""
-    zero = zero_stage_of(c) if options.zero_stage is None else options.zero_stage
+def memory_on_stage(c: Candidate, stage: int, options: MemoryOptions = MemoryOptions(),
+                    slices: tuple[int, int] = (0, 0)) -> MemoryBreakdown:
+    """Every term for pipeline rank `stage` (and, under ZeRO-2/3, the rank whose index in its
+    dense / expert shard group is `slices`; default the fullest)."""
     acts = activation_bytes(c, stage)
     return MemoryBreakdown(
         stage=stage,
-        params=param_bytes(c, stage, zero),
-        grads=grad_bytes(c, stage, zero),
-        main_params=main_param_bytes(c, stage, zero),
-        optimizer_states=optimizer_state_bytes(c, stage, zero),
+        params=param_bytes(c, stage),
+        grads=grad_bytes(c, stage),
+        main_params=main_param_bytes(c, stage),
+        optimizer_states=optimizer_state_bytes(c, stage, slices),
         activations=acts,
         overhead=overhead_bytes(acts, options),
+        sharding_buffers=sharding_buffer_bytes(c),
+        host=host_bytes(c, stage),
     )
 
 

@@ -1,18 +1,19 @@
-"""Presenting a plan: rich tables (ranking, closest misses, ZeRO what-if) and the
-recipe-override YAML that selects the best layout."""
+"""Presenting a plan: rich tables (ranking, closest misses), the JSON document of
+`--json`, and the recipe-override YAML that selects the best layout."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
+from typing import Optional
 
 import yaml
 from rich.console import Console
 from rich.table import Table
 
-from launch.planner.memory import GIB, MemoryOptions, memory_on_stage
+from launch.planner.memory import GIB
 from launch.planner.search import Evaluation, Plan
+from models.flops import total_params
 from pretrain.config import ExperimentConfig
 from pretrain.recipes import get_recipe
 
@@ -23,11 +24,10 @@ def _gib(value: float) -> str:
 
 def _layout_cells(e: Evaluation) -> list[str]:
     c = e.candidate
-    return [c.layout.describe(c.world_size), str(c.micro_batch), c.recompute,
-            "yes" if c.distributed_optimizer else "no"]
+    return [c.layout.describe(c.world_size), str(c.micro_batch), c.recompute, c.sharding_label()]
 
 
-_LAYOUT_COLUMNS = ["layout", "mbs", "recompute", "dist-opt"]
+_LAYOUT_COLUMNS = ["layout", "mbs", "recompute", "sharding"]
 _MEMORY_COLUMNS = ["params", "grads", "main", "optim", "activ", "overhead", "total GiB"]
 
 
@@ -40,7 +40,7 @@ def _add_columns(table: Table, names: list[str]) -> None:
 def _memory_cells(e: Evaluation) -> list[str]:
     b = e.memory
     return [_gib(b.params), _gib(b.grads), _gib(b.main_params), _gib(b.optimizer_states),
-            _gib(b.activations), _gib(b.overhead), _gib(b.total)]
+            _gib(b.activations), _gib(b.overhead + b.sharding_buffers), _gib(b.total)]
 
 
 def ranking_table(plan: Plan, top: int) -> Table:
@@ -69,21 +69,6 @@ def dropped_table(plan: Plan, count: int) -> Table:
     return table
 
 
-def zero_table(plan: Plan, options: MemoryOptions) -> Table:
-    """Static memory of the best layout's largest stage under ZeRO stages 0-3 (what-if)."""
-    best = plan.best
-    table = Table(title=f"what-if for the best layout (stage {best.memory.stage}): ZeRO stages, GiB per GPU")
-    for name in ["ZeRO", "meaning", "params", "grads", "main", "optim", "static", "total"]:
-        table.add_column(name, justify="right")
-    meaning = ["nothing sharded", "optimizer state sharded (= distributed optimizer)",
-               "+ gradients sharded", "+ parameters sharded"]
-    for stage in range(4):
-        b = memory_on_stage(best.candidate, best.memory.stage, dataclasses.replace(options, zero_stage=stage))
-        table.add_row(str(stage), meaning[stage], _gib(b.params), _gib(b.grads), _gib(b.main_params),
-                      _gib(b.optimizer_states), _gib(b.static), _gib(b.total))
-    return table
-
-
 def summary(plan: Plan) -> str:
     """One sentence: the recommendation and its headline numbers."""
     best = plan.best
@@ -96,12 +81,56 @@ def summary(plan: Plan) -> str:
     )
 
 
-def print_plan(plan: Plan, *, console: Console, top: int, show_dropped: int, options: MemoryOptions) -> None:
+def print_plan(plan: Plan, *, console: Console, top: Optional[int], show_dropped: Optional[int]) -> None:
+    """The ranking, the closest misses and the one-line summary (None = every row)."""
     console.print(ranking_table(plan, top))
-    if show_dropped and plan.dropped:
+    if show_dropped != 0 and plan.dropped:
         console.print(dropped_table(plan, show_dropped))
-    console.print(zero_table(plan, options))
     console.print(summary(plan))
+
+
+def _layout_json(e: Evaluation) -> dict:
+    c = e.candidate
+    return {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "cp": c.cp, "ep": c.ep, "dp": c.dp, "zero": c.zero,
+            "hsdp_replicas": c.hsdp_replicas, "offload": c.offload, "micro_batch": c.micro_batch,
+            "recompute": c.recompute, "sequence_parallel": c.layout.sequence_parallel}
+
+
+def _memory_json(e: Evaluation) -> dict:
+    """GiB per GPU on the fullest pipeline stage; `overhead` includes Megatron-FSDP's
+    temporary buckets, so the terms add up to `total`."""
+    b = e.memory
+    terms = {"params": b.params, "grads": b.grads, "main_params": b.main_params, "optimizer": b.optimizer_states,
+             "activations": b.activations, "overhead": b.overhead + b.sharding_buffers, "total": b.total}
+    return {k: round(v / GIB, 3) for k, v in terms.items()}
+
+
+def candidate_json(e: Evaluation, plan: Plan, rank: Optional[int]) -> dict:
+    s = e.estimate
+    return {
+        "rank": rank,
+        "layout": _layout_json(e),
+        "memory_gib": _memory_json(e),
+        "pipeline_stage": e.memory.stage,
+        "host_memory_gib": round(e.memory.host / GIB, 3),
+        "step_s": round(s.step_s, 4) if s else None,
+        "tokens_per_s_per_gpu": round(s.tokens_per_s / plan.world_size, 1) if s else None,
+        "mfu": round(s.mfu, 4) if s else None,
+        "exposed_comm_s": {k: round(v, 4) for k, v in s.comm_s.items()} if s else None,
+        "fits": e.fits,
+        "reason": e.reason(plan.device) or None,
+        "n_params": total_params(e.candidate.model),
+    }
+
+
+def plan_json(plan: Plan, *, top: Optional[int], show_dropped: Optional[int]) -> dict:
+    """{"candidates": [...]}: the fitting layouts fastest first (rank 1 is the
+    recommendation), then the dropped ones closest to fitting first (rank null)."""
+    ranked = [candidate_json(e, plan, i) for i, e in enumerate(plan.ranked[:top], 1)]
+    dropped = [candidate_json(e, plan, None) for e in plan.dropped[:show_dropped]]
+    return {"candidates": ranked + dropped, "recipe": plan.config.name, "gpus": plan.world_size,
+            "gpu": plan.device.name, "fitting": len(plan.ranked), "dropped": len(plan.dropped),
+            "invalid": plan.invalid}
 
 
 def _diff(planned: dict, base: dict) -> dict:

@@ -1,7 +1,8 @@
 """The planner's search: which parallel layouts of a config fit a cluster, fastest first.
 
-Enumerates TP (inside a node), PP, VPP, CP, EP, DP, micro batch, recompute and the
-distributed optimizer; keeps the combinations the training would accept
+Enumerates TP (inside a node), PP, VPP, CP, EP, DP, micro batch, recompute, the ZeRO stage
+(0 none, 1 Megatron's distributed optimizer, 2 / 3 Megatron-FSDP), HSDP replicas and
+optimizer CPU offload; keeps the combinations the training would accept
 (`pretrain.config.validate_for_world`); drops those whose memory (launch.planner.memory) exceeds
 the GPU, saying by how much and which terms; ranks the rest by estimated time per step
 (launch.planner.throughput). The command line is `launch.planner.cli` (`python -m launch.plan`).
@@ -35,7 +36,11 @@ class SearchSpace:
     ep: Optional[Sequence[int]] = None
     micro_batch: Sequence[int] = (1, 2, 4, 8)
     recompute: Sequence[str] = ("none", "selective", "full")
-    distributed_optimizer: Sequence[bool] = (True, False)
+    zero: Sequence[int] = (0, 1, 2, 3)
+    # HSDP replica counts to try with ZeRO-2/3 (1 = plain sharding); None = 1 and every
+    # divisor of DP above 1.
+    hsdp: Optional[Sequence[int]] = None
+    offload: Sequence[bool] = (False, True)
     max_cp: int = 8
 
 
@@ -48,6 +53,17 @@ class Evaluation:
     @property
     def fits(self) -> bool:
         return self.estimate is not None
+
+    def reason(self, device: Device) -> str:
+        """Why it was dropped ('' when it fits)."""
+        if self.fits:
+            return ""
+        m = self.memory
+        if m.total > device.memory_bytes:
+            return (f"needs {m.total / GIB:.1f} GiB per GPU, {(m.total - device.memory_bytes) / GIB:.1f} GiB "
+                    f"more than the {device.memory_gib:.1f} GiB of {device.name}: {m.describe()}")
+        return (f"offloaded optimizer needs {m.host / GIB:.1f} GiB of host memory per GPU, more than the "
+                f"{device.host_memory_gib:.0f} GiB of a {device.name} node's share")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +114,19 @@ def _layouts(config: ExperimentConfig, world: int, device: Device, space: Search
                         yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep)
 
 
+def _sharding_options(space: SearchSpace, dp: int, shards: int) -> list[tuple[int, int, bool]]:
+    """(ZeRO stage, HSDP replicas, offload) triples to try at data-parallel size `dp`, when
+    sharded state is split over `shards` ranks at most. With nothing to shard over (one rank)
+    the stages differ only in overheads, so only the one nearest ZeRO-1 is tried."""
+    replicas = [1] + [r for r in divisors(dp) if r > 1]
+    zeros = space.zero if shards > 1 else [min(space.zero, key=lambda z: abs(z - 1))]
+    options = []
+    for zero in zeros:
+        for r in _pick(space.hsdp, replicas if zero >= 2 else [1]):
+            options += [(zero, r, offload) for offload in space.offload]
+    return options
+
+
 def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, space: SearchSpace
                          ) -> tuple[list[Candidate], int]:
     """Every combination the training accepts, and how many it would reject."""
@@ -111,11 +140,13 @@ def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, s
             virtual_pipeline=lay["vpp"] if lay["vpp"] > 1 else None, context_parallel=lay["cp"],
             expert_parallel=lay["ep"], sequence_parallel=lay["tp"] > 1,
         )
+        shards = max(world // (lay["tp"] * lay["pp"]), layout.expert_data_parallel(world))
+        sharding = _sharding_options(space, layout.data_parallel(world), shards)
         for mbs in space.micro_batch:
             for recompute in space.recompute:
-                for dist_opt in space.distributed_optimizer:
-                    cand = dataclasses.replace(base, layout=layout, micro_batch=mbs,
-                                               recompute=recompute, distributed_optimizer=dist_opt)
+                for zero, replicas, offload in sharding:
+                    cand = dataclasses.replace(base, layout=layout, micro_batch=mbs, recompute=recompute,
+                                               zero=zero, hsdp_replicas=replicas, offload=offload)
                     try:
                         validate_for_world(cand.apply_to(config), world)
                     except ConfigError:
@@ -127,7 +158,7 @@ def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, s
 
 def evaluate(c: Candidate, device: Device, mem: MemoryOptions, tput: ThroughputOptions) -> Evaluation:
     memory = peak_memory(c, mem)
-    fits = memory.total <= device.memory_bytes
+    fits = memory.total <= device.memory_bytes and memory.host <= device.host_memory_bytes
     return Evaluation(candidate=c, memory=memory, estimate=estimate_step(c, device, tput) if fits else None)
 
 

@@ -10,9 +10,13 @@ over the link the group spans (NVLink inside a node, InfiniBand across nodes):
 Each communication time is multiplied by (1 - overlap) for its kind: the part not hidden
 behind compute. Latency terms are ignored (messages here are MBs to GBs).
 
-Step = t_mb x (M + (p-1)/v) + PP send/recv + DP gradient sync, where t_mb is the slowest
-pipeline stage's time for one microbatch (compute + TP + CP + EP), M microbatches, and
-(p-1)/v the interleaved-1F1B bubble in units of t_mb.
+Step = t_mb x (M + (p-1)/v) + PP send/recv + DP gradient sync + offload, where t_mb is the
+slowest pipeline stage's time for one microbatch (compute + TP + CP + EP + ZeRO-2/3
+gathers and reduce-scatters), M microbatches, and (p-1)/v the interleaved-1F1B bubble in
+units of t_mb. Sharded data parallelism (ZeRO-2/3, Megatron-FSDP) communicates inside every
+microbatch (zero_comm_s); HSDP keeps that inside a shard group and adds one all-reduce
+across the replicas per step (dp_comm_s); optimizer CPU offload adds PCIe copies and the CPU
+optimizer step (offload_s).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import dataclasses
 
 from launch.planner.candidate import Candidate
 from launch.planner.devices import Device
-from launch.planner.memory import GRAD_BYTES, edge_stages, params_on_rank
+from launch.planner.memory import GRAD_BYTES, edge_stages, host_bytes, params_on_rank
 from models.flops import forward_flops_per_token, training_flops_per_step
 
 
@@ -42,6 +46,17 @@ class ThroughputOptions:
     ep_overlap: float = 0.0
     pp_overlap: float = 0.0
     dp_overlap: float = 0.0
+    # Megatron-FSDP turns on overlap_param_gather / overlap_grad_reduce itself for ZeRO-2/3
+    # (megatron_fsdp.py, MegatronFSDP.__init__) and prefetches the next unit's parameters
+    # while the current one computes; the first gather and the last reduce-scatter of a
+    # pass stay exposed. Never more is hidden than the microbatch's compute.
+    zero_overlap: float = 0.8
+    # Megatron's HybridDeviceOptimizer copies gradients down, steps on the CPU and copies
+    # parameters up between backward and the next forward: nothing to hide behind.
+    offload_overlap: float = 0.0
+    # Fraction of host DRAM bandwidth the CPU Adam step reaches (memory bound; multi-threaded
+    # CPU Adam implementations reach about half the socket's bandwidth).
+    host_efficiency: float = 0.5
 
     def __post_init__(self) -> None:
         # An efficiency of 0 divided by zero; 5 reported 461% MFU; an overlap above 1 hid
@@ -60,7 +75,7 @@ class StepEstimate:
     step_s: float
     compute_s: float  # M x slowest stage's compute per microbatch
     bubble_s: float
-    comm_s: dict[str, float]  # exposed seconds per step, by kind (tp, cp, ep, pp, dp)
+    comm_s: dict[str, float]  # exposed seconds per step, by kind (tp, cp, ep, zero, pp, dp, offload)
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (as in metrics.jsonl), not counting recompute
     mfu: float
@@ -160,14 +175,39 @@ def pp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     return 2 * c.vpp * c.num_microbatches * size / _bandwidth(c.world_size, device, opts)
 
 
+def _worst_params(c: Candidate):
+    return max((params_on_rank(c, s) for s in edge_stages(c)), key=lambda p: p.total)
+
+
+def _shard_span(c: Candidate) -> int:
+    """Consecutive ranks a ZeRO-2/3 shard group covers: TP x CP x DP / replicas (rank order
+    tp-cp-ep-dp-pp; HSDP's shard groups are runs of consecutive DP ranks)."""
+    return c.tp * c.dense_zero_shard
+
+
 def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
-    """DP gradient sync per step, on the rank with most parameters: distributed optimizer:
-    reduce-scatter of the fp32 grads (d-1)/d x 4 P + all-gather of the updated params
-    (d-1)/d x e P; otherwise an all-reduce 2 (d-1)/d x 4 P. Dense params over d = DP x CP,
-    expert params over expert-DP; the group spans world/p ranks."""
+    """DP synchronisation once per step, on the rank with most parameters P (dense over
+    d = DP x CP, expert over expert-DP; the group spans world/p ranks):
+      ZeRO-0: all-reduce of the fp32 grads 2 (d-1)/d x 4 P;
+      ZeRO-1: reduce-scatter (d-1)/d x 4 P + all-gather of the updated params (d-1)/d x e P;
+      ZeRO-2: all-gather of the updated params inside the shard group of s = d / r ranks,
+              (s-1)/s x e P (its reduce-scatters are per microbatch: zero_comm_s);
+      ZeRO-3: nothing here (parameters are gathered where they are used);
+      HSDP (r > 1 replicas): + all-reduce of the sharded fp32 grads across the replicas,
+              2 (r-1)/r x 4 P / s, over the whole DP span (InfiniBand across nodes)."""
+    worst = _worst_params(c)
+    if c.fsdp:
+        total = 0.0
+        if c.zero == 2:
+            s = c.dense_zero_shard
+            total += (s - 1) / s * worst.total * c.param_bytes / _bandwidth(_shard_span(c), device, opts)
+        r = c.hsdp_replicas
+        if r > 1:
+            total += 2 * (r - 1) / r * GRAD_BYTES * worst.total / c.dense_zero_shard / _bandwidth(
+                c.world_size // c.pp, device, opts)
+        return total
     bw = _bandwidth(c.world_size // c.pp, device, opts)
     total = 0.0
-    worst = max((params_on_rank(c, s) for s in edge_stages(c)), key=lambda p: p.total)
     for count, d in ((worst.dense, c.dense_shard), (worst.expert, c.expert_shard)):
         if d == 1 or count == 0:
             continue
@@ -178,21 +218,53 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     return total
 
 
+def zero_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """ZeRO-2/3 per microbatch (Megatron-FSDP reduce-scatters after every backward, not only
+    the last), inside the shard group of s = DP x CP / r ranks, for the P parameters of the
+    rank: ZeRO-2: gradient reduce-scatter (s-1)/s x 4 P; ZeRO-3: + parameter all-gathers in
+    forward and in backward, 2 (s-1)/s x e P (full recompute re-runs the forward inside the
+    backward on the parameters gathered for it). Expert parameters over expert-DP likewise."""
+    if not c.fsdp:
+        return 0.0
+    worst = _worst_params(c)
+    per_param = GRAD_BYTES + (2 * c.param_bytes if c.zero == 3 else 0)
+    groups = ((worst.dense, c.dense_zero_shard, _shard_span(c)),
+              (worst.expert, c.expert_zero_shard, c.world_size // c.pp))
+    return sum((s - 1) / s * count * per_param / _bandwidth(span, device, opts)
+               for count, s, span in groups if s > 1 and count)
+
+
+def offload_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """Optimizer CPU offload per step, for the rank's shard of S parameters: fp32 gradients
+    down and fp32 parameters up over PCIe, 2 x 4 S / bw(PCIe), plus the CPU Adam step,
+    memory bound: 28 S bytes (reads parameter, gradient and two moments, writes parameter
+    and moments) / (host DRAM bandwidth per GPU x host_efficiency)."""
+    if not c.offload:
+        return 0.0
+    shard = max(host_bytes(c, s) for s in edge_stages(c)) / 16  # 16 bytes per sharded parameter
+    pcie = 2 * 4 * shard / (device.pcie_gbps * 1e9 * opts.bus_efficiency)
+    cpu = 28 * shard / (device.host_memory_gbps * 1e9 * opts.host_efficiency)
+    return pcie + cpu
+
+
 def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = ThroughputOptions()) -> StepEstimate:
     """Time per step, tokens/s, model TFLOP/s per GPU and MFU for `c` on `device`."""
+    compute_mb = max(stage_compute_s(c, s, device, opts) for s in edge_stages(c))
+    zero = zero_comm_s(c, device, opts)
     exposed = {
         "tp": tp_comm_s(c, device, opts) * (1 - opts.tp_overlap),
         "cp": cp_comm_s(c, device, opts) * (1 - opts.cp_overlap),
         "ep": ep_comm_s(c, device, opts) * (1 - opts.ep_overlap),
+        "zero": max(zero * (1 - opts.zero_overlap), zero - compute_mb),
     }
-    compute_mb = max(stage_compute_s(c, s, device, opts) for s in edge_stages(c))
     t_mb = compute_mb + sum(exposed.values())
     m = c.num_microbatches
     bubble = t_mb * (c.pp - 1) / c.vpp
     comm = {k: v * m for k, v in exposed.items()}
     comm["pp"] = pp_comm_s(c, device, opts) * (1 - opts.pp_overlap)
     comm["dp"] = dp_comm_s(c, device, opts) * (1 - opts.dp_overlap)
-    step = t_mb * m + bubble + comm["pp"] + comm["dp"]
+    comm["offload"] = offload_s(c, device, opts) * (1 - opts.offload_overlap)
+    step = t_mb * m + bubble + comm["pp"] + comm["dp"] + comm["offload"]
     tokens = c.global_batch * c.seq_length
     model_flops = training_flops_per_step(c.model, c.seq_length, c.global_batch)
     tflops = model_flops / step / c.world_size / 1e12

@@ -2,8 +2,8 @@
 
 Static memory (params, fp32 grad buffer, fp32 main params, Adam moments) must equal the
 bytes allocated through `pretrain.wrap.wrap_for_training` within 1% for every layout of
-the matrix: TP, PP, VPP, DP, EP, distributed optimizer on/off, fp32 and bf16, tied
-embeddings, biases, MoE.
+the matrix: TP, PP, VPP, DP, EP, distributed optimizer on/off, ZeRO-2/3 and HSDP
+(Megatron-FSDP's padded buffers), fp32 and bf16, tied embeddings, biases, MoE.
 
 Activations: the bytes autograd saves in one forward pass, where the CPU implementation
 matches the published analysis' assumptions (GPT style: MHA, GeLU, LayerNorm; fp32, so no
@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 BF16, FP32 = "runtime.dtype=bf16", "runtime.dtype=fp32"
 NO_DISTOPT = "optimizer.distributed=false"
 TP2, SP = "parallel.tensor_parallel=2", "parallel.sequence_parallel=true"
+ZERO2, ZERO3 = "parallel.sharding=zero2", "parallel.sharding=zero3"
 STATIC = {  # world size -> (flavor, overrides)
     2: [
         ("tiny-llama", [TP2, FP32]),
@@ -37,11 +38,16 @@ STATIC = {  # world size -> (flavor, overrides)
         ("tiny-gpt", ["parallel.pipeline_parallel=2", BF16]),  # tied embedding copy on the last stage
         ("tiny-gpt", [TP2, BF16, NO_DISTOPT]),  # replicated row-parallel biases
         ("tiny-moe", ["parallel.expert_parallel=2", BF16]),  # experts split by EP, not sharded by DP
+        ("tiny-llama", [ZERO2, FP32]),  # Megatron-FSDP: gradients sharded, padded buckets
+        ("tiny-llama", [ZERO3, BF16]),  # + parameters sharded, fp32 main weights
     ],
     4: [
         ("tiny-llama", [TP2, BF16]),  # TP2 x DP2
         ("tiny-gpt", ["parallel.pipeline_parallel=2", FP32]),  # PP2 x DP2
         ("tiny-moe", ["parallel.expert_parallel=2", BF16]),  # DP4, EP2 -> expert-DP 2
+        ("tiny-llama", [ZERO3, TP2, SP, BF16]),  # ZeRO-3 over DP2 inside TP2
+        ("tiny-llama", [ZERO3, "parallel.hsdp_replicas=2", FP32]),  # HSDP: shard over 2, replicate over 2
+        ("tiny-moe", [ZERO3, "parallel.expert_parallel=2", BF16]),  # experts sharded over expert-DP
     ],
 }
 ACT_COMMON = ["schedule.seq_length=256", "schedule.micro_batch_size=2", "schedule.global_batch_size=4", FP32]
@@ -82,22 +88,29 @@ def _candidate(case: dict, world: int) -> Candidate:
 
 @pytest.mark.parametrize("world", sorted(STATIC))
 def test_static_memory_matches_allocation(world, request):
+    """The planner predicts the fullest rank of each stage: that rank within 1%, and no rank
+    above it (Megatron-FSDP's last shard of a padded bucket holds fewer real elements, so
+    its Adam moments are smaller there)."""
     cases, per_rank = request.getfixturevalue(f"world{world}")
     failures = []
     for index, case in enumerate(cases):
         if case["kind"] != "static":
             continue
         candidate = _candidate(case, world)
-        for rank, results in enumerate(per_rank):
-            got = results[index]
-            predicted = memory_on_stage(candidate, got["stage"])
+        stages = sorted({results[index]["stage"] for results in per_rank})
+        for stage in stages:
+            predicted = memory_on_stage(candidate, stage)
             want = {"params": predicted.params, "grads": predicted.grads,
                     "main_params": predicted.main_params, "optimizer_states": predicted.optimizer_states}
+            on_stage = [(rank, results[index]) for rank, results in enumerate(per_rank)
+                        if results[index]["stage"] == stage]
             for kind in KINDS:
-                ok = got[kind] == want[kind] == 0 or (want[kind] > 0 and abs(got[kind] - want[kind]) <= 0.01 * want[kind])
-                if not ok:
-                    failures.append(f"{case['flavor']} {case['overrides']} rank {rank} stage {got['stage']}: "
-                                    f"{kind} measured {got[kind]} B, predicted {want[kind]:.0f} B")
+                got = max(measured[kind] for _, measured in on_stage)
+                ok = got == want[kind] == 0 or (want[kind] > 0 and abs(got - want[kind]) <= 0.01 * want[kind])
+                over = [rank for rank, measured in on_stage if measured[kind] > 1.01 * want[kind]]
+                if not ok or over:
+                    failures.append(f"{case['flavor']} {case['overrides']} stage {stage}: {kind} measured "
+                                    f"{[m[kind] for _, m in on_stage]} B on its ranks, predicted {want[kind]:.0f} B")
     assert not failures, "\n".join(failures)
 
 

@@ -4,6 +4,7 @@ fit with the reason, ranks by time, explains impossible requests, writes a usabl
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -43,9 +44,8 @@ def test_static_memory_of_plain_data_parallel_is_the_textbook_math():
     parameter; the 4 bytes of fp32 main weights and 8 of Adam moments are sharded 8 ways."""
     params = 8_030_261_248
     base = Candidate.from_config(get_recipe("llama3-8b"), 8)
-    for dist_opt, shards in ((True, 8), (False, 1)):
-        c = dataclasses.replace(base, layout=ParallelLayout(), micro_batch=1, recompute="full",
-                                distributed_optimizer=dist_opt)
+    for zero, shards in ((1, 8), (0, 1)):
+        c = dataclasses.replace(base, layout=ParallelLayout(), micro_batch=1, recompute="full", zero=zero)
         b = peak_memory(c)
         assert (b.params, b.grads, b.main_params, b.optimizer_states) == (
             2 * params, 4 * params, 4 * params / shards, 8 * params / shards)
@@ -53,7 +53,7 @@ def test_static_memory_of_plain_data_parallel_is_the_textbook_math():
 
 def test_search_space_restricts_enumeration():
     p = plan(get_recipe("llama3-8b"), world_size=8, device=H100,
-             space=SearchSpace(tp=[2], recompute=("selective",), distributed_optimizer=(True,)))
+             space=SearchSpace(tp=[2], recompute=("selective",), zero=(1,)))
     assert {e.candidate.tp for e in p.ranked} == {2}
     assert {e.candidate.recompute for e in p.ranked} == {"selective"}
 
@@ -64,8 +64,9 @@ def test_gpus_must_fill_nodes():
 
 
 def test_no_fit_says_what_would_fit():
+    # With the optimizer offloaded to the host, TP8 holds llama3-70b on one node; without, no layout does.
     with pytest.raises(PlanError) as err:
-        plan(get_recipe("llama3-70b"), world_size=8, device=H100)
+        plan(get_recipe("llama3-70b"), world_size=8, device=H100, space=SearchSpace(offload=(False,)))
     message = str(err.value)
     assert "no layout of llama3-70b fits 8 x h100-80gb" in message
     assert "closest:" in message and "params" in message and "optimizer" in message
@@ -73,9 +74,10 @@ def test_no_fit_says_what_would_fit():
 
 
 def test_no_fit_suggests_recompute_and_shorter_sequence():
-    # Pure DP: more GPUs shrink only the sharded optimizer state, never the activations of
-    # seq 8192 without recompute, so the fixes are recompute or a shorter sequence.
-    narrow = SearchSpace(tp=[1], pp=[1], cp=[1], recompute=("none",))
+    # Pure DP with ZeRO-0/1: more GPUs shrink only the sharded optimizer state, never the
+    # activations of seq 8192 without recompute, so the fixes are recompute or a shorter
+    # sequence. (ZeRO-3 fits: test_zero3_fits_where_zero1_does_not.)
+    narrow = SearchSpace(tp=[1], pp=[1], cp=[1], recompute=("none",), zero=(0, 1), offload=(False,))
     with pytest.raises(PlanError) as err:
         plan(get_recipe("llama3-8b"), world_size=8, device=H100, space=narrow)
     assert "allow full recompute" in str(err.value)
@@ -91,7 +93,7 @@ def test_cli_prints_ranking_and_writes_override(tmp_path, capsys):
                         "--write-override", str(out)])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "fastest layouts that fit" in text and "recommended:" in text and "ZeRO" in text
+    assert "fastest layouts that fit" in text and "recommended:" in text and "sharding" in text
     config = apply_overrides(get_recipe("llama3-8b"), yaml_file=str(out))
     validate_for_world(config, 16)
     expected = plan(get_recipe("llama3-8b").model_copy(update=dict(
@@ -110,3 +112,83 @@ def test_cli_bad_input(argv, message, capsys):
     base = ["--recipe", "llama3-8b", "--gpus", "8"]
     assert plan_mod.main(base + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_zero3_fits_where_zero1_does_not():
+    """llama3-8b at seq 8192 without recompute on 8 GPUs, pure DP: under ZeRO-0/1 the
+    unsharded weights and fp32 gradients leave too little for the activations; ZeRO-3
+    shards them 8 ways and fits."""
+    narrow = SearchSpace(tp=[1], pp=[1], cp=[1], recompute=("none",), offload=(False,))
+    p = plan(get_recipe("llama3-8b"), world_size=8, device=H100, space=narrow)
+    assert {e.candidate.zero for e in p.ranked} == {3}
+    assert {e.candidate.zero for e in p.dropped} >= {0, 1, 2}
+
+
+def test_sharded_candidates_follow_the_training_validation(llama8b_plan):
+    evaluated = [e.candidate for e in llama8b_plan.ranked + llama8b_plan.dropped]
+    assert {c.zero for c in evaluated} == {0, 1, 2, 3}
+    assert any(c.hsdp_replicas > 1 for c in evaluated) and any(c.offload for c in evaluated)
+    # Megatron-FSDP 0.16.1 has no pipeline dimension; HSDP only with ZeRO-2/3.
+    assert not [c for c in evaluated if c.zero >= 2 and c.pp > 1]
+    assert not [c for c in evaluated if c.hsdp_replicas > 1 and c.zero < 2]
+    moe = plan(get_recipe("mixtral-8x7b"), world_size=64, device=H100, space=SearchSpace(micro_batch=(1,)))
+    assert not [e for e in moe.ranked + moe.dropped if e.candidate.hsdp_replicas > 1]  # MoE + HSDP: refused
+
+
+def test_candidate_round_trips_through_the_config():
+    base = get_recipe("llama3-8b")
+    c = dataclasses.replace(Candidate.from_config(base, 16), layout=ParallelLayout(tensor_parallel=2,
+                            sequence_parallel=True), zero=3, hsdp_replicas=2, offload=True)
+    config = c.apply_to(base)
+    assert (config.parallel.sharding, config.parallel.hsdp_replicas) == ("zero3", 2)
+    assert (config.optimizer.distributed, config.optimizer.cpu_offload) == (True, True)
+    assert Candidate.from_config(config, 16) == c
+    assert apply_overrides(base, overrides=[]).parallel.sharding is None  # the recipes leave it to follow
+    zero0 = dataclasses.replace(c, zero=0, hsdp_replicas=1, offload=False).apply_to(base)
+    assert (zero0.parallel.sharding, zero0.optimizer.distributed) == ("none", False)
+
+
+def test_cli_json(capsys):
+    rc = plan_mod.main(["--recipe", "llama3-70b", "--gpus", "16", "--json", "--top", "4", "--show-dropped", "2"])
+    doc = json.loads(capsys.readouterr().out)  # stdout is exactly one JSON document
+    assert rc == 0
+    cands = doc["candidates"]
+    assert [c["fits"] for c in cands] == [True] * 4 + [False] * 2
+    assert [c["rank"] for c in cands] == [1, 2, 3, 4, None, None]
+    steps = [float(f"{c['step_s']:.3g}") for c in cands[:4]]  # ranked as the tables (test above)
+    assert steps == sorted(steps)
+    for c in cands:
+        assert set(c["layout"]) >= {"tp", "pp", "vpp", "cp", "ep", "dp", "zero", "hsdp_replicas", "offload",
+                                    "micro_batch", "recompute"}
+        mem = c["memory_gib"]
+        assert set(mem) == {"params", "grads", "main_params", "optimizer", "activations", "overhead", "total"}
+        assert sum(v for k, v in mem.items() if k != "total") == pytest.approx(mem["total"], abs=0.01)
+        assert c["n_params"] == 70_553_706_496
+        lay = c["layout"]
+        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == 16
+    for c in cands[4:]:
+        assert c["step_s"] is None and c["memory_gib"]["total"] > H100.memory_gib
+        assert c["reason"].startswith(f"needs {c['memory_gib']['total']:.1f} GiB per GPU")
+    # The JSON's first candidate is the plan's best.
+    best = plan(get_recipe("llama3-70b"), world_size=16, device=H100).best.candidate
+    first = cands[0]["layout"]
+    assert (first["tp"], first["pp"], first["cp"], first["zero"], first["hsdp_replicas"], first["offload"],
+            first["micro_batch"], first["recompute"]) == (best.tp, best.pp, best.cp, best.zero, best.hsdp_replicas,
+                                                         best.offload, best.micro_batch, best.recompute)
+
+
+def test_cli_zero_and_offload_flags_restrict_and_write_the_keys(tmp_path, capsys):
+    out = tmp_path / "z3.yaml"
+    rc = plan_mod.main(["--recipe", "llama3-8b", "--gpus", "16", "--zero", "3", "--offload", "off", "--json",
+                        "--top", "all", "--show-dropped", "all", "--write-override", str(out)])
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert rc == 0 and "wrote" in captured.err
+    assert doc["candidates"] and {c["layout"]["zero"] for c in doc["candidates"]} == {3}
+    assert not [c for c in doc["candidates"] if c["layout"]["offload"]]
+    assert len(doc["candidates"]) == doc["fitting"] + doc["dropped"]
+    config = apply_overrides(get_recipe("llama3-8b"), yaml_file=str(out))
+    validate_for_world(config, 16)
+    assert config.parallel.sharding == "zero3" and config.optimizer.cpu_offload is False
+    first = doc["candidates"][0]["layout"]
+    assert (config.parallel.tensor_parallel, config.parallel.hsdp_replicas) == (first["tp"], first["hsdp_replicas"])

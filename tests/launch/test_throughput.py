@@ -3,6 +3,8 @@ training metrics' own formula."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from launch.planner.candidate import Candidate
@@ -14,10 +16,12 @@ from launch.planner.throughput import (
     ep_comm_s,
     estimate_step,
     layer_and_logit_flops,
+    offload_s,
     pp_comm_s,
     recompute_flops_per_layer,
     stage_compute_s,
     tp_comm_s,
+    zero_comm_s,
 )
 from models.config import ModelConfig
 from models.layout import ParallelLayout
@@ -33,11 +37,12 @@ DEV = Device(name="test", memory_gib=1.0, peak_tflops={"bf16": 1.0, "fp8": 2.0, 
 IDEAL = ThroughputOptions(efficiency=1.0, bus_efficiency=1.0, cp_overlap=0.0)
 
 
-def cand(model=M, *, world=1, mbs=2, gbs=None, recompute="none", dist=True, **layout) -> Candidate:
+def cand(model=M, *, world=1, mbs=2, gbs=None, recompute="none", zero=1, hsdp=1, offload=False,
+         **layout) -> Candidate:
     lay = ParallelLayout(**layout)
     return Candidate(model=model, layout=lay, world_size=world, micro_batch=mbs,
                      global_batch=gbs or mbs * lay.data_parallel(world), seq_length=16,
-                     recompute=recompute, distributed_optimizer=dist)
+                     recompute=recompute, zero=zero, hsdp_replicas=hsdp, offload=offload)
 
 
 def test_flops_split_from_models_flops():
@@ -82,7 +87,7 @@ def test_ep_pp_dp():
     dp2 = cand(world=2)
     P = 2 * 592 + 128 * 8 + 8 + 128 * 8  # layers + embedding + final norm + output layer
     assert dp_comm_s(dp2, DEV, IDEAL) == pytest.approx(0.5 * P * (4 + 2) / 1e9)  # RS fp32 + AG bf16
-    no_dist = cand(world=2, dist=False)
+    no_dist = cand(world=2, zero=0)
     assert dp_comm_s(no_dist, DEV, IDEAL) == pytest.approx(2 * 0.5 * P * 4 / 1e9)  # all-reduce fp32
 
 
@@ -108,3 +113,51 @@ def test_device_table():
     assert get_device("h100-80gb").peak("bf16") == 989.4e12
     with pytest.raises(UnknownDeviceError, match="unknown GPU type 'a100'.*Known: h100-80gb"):
         get_device("a100")
+
+
+# P = 2 * 592 + 128 * 8 + 8 + 128 * 8 parameters on a rank of M (TP1, PP1); bf16 (e = 2).
+P_M = 2 * 592 + 128 * 8 + 8 + 128 * 8
+
+
+def test_zero2_zero3_communication():
+    z2, z3 = cand(world=2, zero=2), cand(world=2, zero=3)
+    # per microbatch: ZeRO-2 reduce-scatters the fp32 gradients; ZeRO-3 also all-gathers
+    # the bf16 parameters in forward and in backward.
+    assert zero_comm_s(z2, DEV, IDEAL) == pytest.approx(0.5 * 4 * P_M / 1e9)
+    assert zero_comm_s(z3, DEV, IDEAL) == pytest.approx(0.5 * (4 + 2 * 2) * P_M / 1e9)
+    # per step: ZeRO-2 all-gathers the updated parameters once; ZeRO-3 nothing more.
+    assert dp_comm_s(z2, DEV, IDEAL) == pytest.approx(0.5 * 2 * P_M / 1e9)
+    assert dp_comm_s(z3, DEV, IDEAL) == 0
+    assert zero_comm_s(cand(world=2), DEV, IDEAL) == 0  # ZeRO-1: Megatron DDP, once per step
+
+
+def test_hsdp_shards_on_nvlink_and_all_reduces_across_nodes():
+    # 8 ranks on nodes of 4: shard groups of 4 (one node, 1 GB/s), 2 replicas (0.1 GB/s across).
+    h = cand(world=8, zero=3, hsdp=2)
+    assert zero_comm_s(h, DEV, IDEAL) == pytest.approx(0.75 * 8 * P_M / 1e9)
+    assert dp_comm_s(h, DEV, IDEAL) == pytest.approx(2 * 0.5 * 4 * P_M / 4 / 0.1e9)
+    flat = cand(world=8, zero=3)  # one shard group over both nodes: every gather on InfiniBand
+    assert zero_comm_s(flat, DEV, IDEAL) == pytest.approx(7 / 8 * 8 * P_M / 0.1e9)
+
+
+def test_zero_overlap_hides_at_most_the_compute():
+    z3 = cand(world=2, zero=3, gbs=16)  # 4 microbatches of 2 on each of 2 DP ranks
+    comm, compute = zero_comm_s(z3, DEV, IDEAL), stage_compute_s(z3, 0, DEV, IDEAL)
+    for overlap in (0.0, 0.5, 1.0):
+        est = estimate_step(z3, DEV, dataclasses.replace(IDEAL, zero_overlap=overlap))
+        assert est.comm_s["zero"] == pytest.approx(4 * max(comm * (1 - overlap), comm - compute))
+    slow_link = dataclasses.replace(DEV, intra_node_gbps=1e-6)  # communication far beyond compute
+    est = estimate_step(z3, slow_link, dataclasses.replace(IDEAL, zero_overlap=1.0))
+    assert est.comm_s["zero"] == pytest.approx(4 * (zero_comm_s(z3, slow_link, IDEAL) - compute))
+
+
+def test_offload_time():
+    host = dataclasses.replace(DEV, pcie_gbps=2.0, host_memory_gbps=4.0)
+    off = cand(world=2, zero=1, offload=True)
+    shard = P_M / 2
+    # fp32 gradients down + fp32 parameters up over PCIe; CPU Adam reads 16 and writes 12 bytes.
+    assert offload_s(off, host, IDEAL) == pytest.approx(8 * shard / 2e9 + 28 * shard / (4e9 * IDEAL.host_efficiency))
+    assert offload_s(cand(world=2), host, IDEAL) == 0
+    est = estimate_step(off, host, IDEAL)
+    assert est.comm_s["offload"] == pytest.approx(offload_s(off, host, IDEAL))
+    assert est.step_s == pytest.approx(estimate_step(cand(world=2), host, IDEAL).step_s + est.comm_s["offload"])

@@ -3,8 +3,8 @@ report what memory it actually uses, for comparison with launch.planner.memory.
 
 `measure(cases)` runs every case in one process group (one spawn per world size: start-up
 dominates on 2 cores), tearing Megatron's parallel state down between cases:
-  kind "static":      build + wrap_for_training; bytes of parameter storages, DDP grad
-                      buffers, fp32 main params and Adam moments.
+  kind "static":      build + wrap_for_training; bytes of parameter, gradient, fp32 main
+                      weight and Adam moment buffers (DDP, ZeRO-1 or Megatron-FSDP).
   kind "activations": build; bytes autograd saves for backward in one forward pass.
 """
 
@@ -13,34 +13,13 @@ from __future__ import annotations
 import gc
 
 
-def _storage_bytes(tensors) -> dict[int, int]:
-    """{storage address: bytes} of the storages under `tensors` (views counted once)."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-
 def _static(config, chunks) -> dict:
-    """Bytes by kind: model params, DDP grad buffers, fp32 main params, Adam moments."""
+    """Bytes by kind held in parameter, gradient, fp32 main-weight and Adam-moment buffers
+    (DDP + distributed optimizer, or Megatron-FSDP): launch.memory_benchmark.static_bytes."""
+    from launch.memory_benchmark import static_bytes
     from pretrain.wrap import wrap_for_training
 
-    state = wrap_for_training(chunks, config)
-    params = _storage_bytes(p for chunk in state.model for p in chunk.module.parameters())
-    grads = _storage_bytes(
-        buffer.grad_data for chunk in state.model
-        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]
-    )
-    main, moments = {}, {}
-    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-        # Adam's state is created lazily at the first step; Megatron's init_state_fn creates
-        # it now (as checkpoint loading does), with the shapes and dtypes a step would use.
-        opt.init_state_fn(opt.optimizer, opt.config)
-        for group in opt.optimizer.param_groups:
-            for p in group["params"]:
-                if p.untyped_storage().data_ptr() not in params:  # a copy, not a view of a param
-                    main.update(_storage_bytes([p]))
-                state_p = opt.optimizer.state[p]
-                moments.update(_storage_bytes([state_p["exp_avg"], state_p["exp_avg_sq"]]))
-    return {"params": sum(params.values()), "grads": sum(grads.values()),
-            "main_params": sum(main.values()), "optimizer_states": sum(moments.values())}
+    return static_bytes(wrap_for_training(chunks, config))
 
 
 def _activations(config, chunks) -> dict:
