@@ -111,25 +111,24 @@ def writable_dir_problem(path: str) -> Optional[str]:
 # --- argument types --------------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a count of processes, nodes, tokens, ...)."""
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {'at least 1' if least == 1 else '0 or more'}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count of processes, nodes, tokens, ...)."""
+    return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    """argparse type: an integer >= 0 (warm-up steps, rows to show, ...)."""
+    return _int_at_least(text, 0)
 
 
 def fraction(text: str) -> float:

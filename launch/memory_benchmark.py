@@ -190,17 +190,22 @@ def predict(recipe: str, overrides: list[str], world: int, zero: int, stage: int
 
 
 def benchmark(recipe: str, dps: list[int], zeros: list[int], overrides: list[str]) -> list[dict]:
-    """One row per (ZeRO stage, DP): the fullest rank's bytes, the planner's, the error."""
+    """One row per (ZeRO stage, DP): the fullest rank's bytes, the planner's, the error.
+    At DP1 nothing can be sharded (Megatron-FSDP over one rank is refused): ZeRO-2/3 rows
+    there are the unsharded ZeRO-1 run, the bytes one GPU holds, marked `as_zero1`."""
     rows = []
     for dp in dps:
-        per_rank = run_world(recipe, dp, zeros, overrides)
+        run = sorted({z if dp > 1 or z <= 1 else 1 for z in zeros})
+        per_rank = run_world(recipe, dp, run, overrides)
         world = len(per_rank)
-        for index, zero in enumerate(zeros):
-            measured = [rank[index] for rank in per_rank]
+        for zero in zeros:
+            ran = zero if zero in run else 1
+            measured = [rank[run.index(ran)] for rank in per_rank]
             worst = max(measured, key=lambda m: sum(m[k] for k in KINDS))
-            predicted = predict(recipe, overrides, world, zero, worst["stage"])
+            predicted = predict(recipe, overrides, world, ran, worst["stage"])
             total, want = sum(worst[k] for k in KINDS), sum(predicted.values())
-            rows.append({"zero": zero, "dp": dp, "world": world, "measured": {k: worst[k] for k in KINDS},
+            rows.append({"zero": zero, "dp": dp, "world": world, "as_zero1": ran != zero,
+                         "measured": {k: worst[k] for k in KINDS},
                          "measured_total": total, "predicted": predicted, "predicted_total": want,
                          "error": (want - total) / total,
                          "worst_term_error": max(abs(predicted[k] - worst[k]) / worst[k] for k in KINDS if worst[k])})
@@ -233,7 +238,8 @@ def print_table(rows: list[dict], recipe: str) -> None:
         table.add_column(name, justify="right")
     for r in rows:
         m = r["measured"]
-        table.add_row(str(r["zero"]), str(r["dp"]), *(mib(m[k]) for k in KINDS), f"{r['measured_total']:,}",
+        zero = f"{r['zero']}{' (=1)' if r['as_zero1'] else ''}"
+        table.add_row(zero, str(r["dp"]), *(mib(m[k]) for k in KINDS), f"{r['measured_total']:,}",
                       f"{r['predicted_total']:,.0f}", f"{100 * r['error']:+.2f}%")
     console = Console(width=max(Console().width, 120))
     console.print(table)

@@ -179,6 +179,12 @@ def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: i
             f"sharding={name} over a shard group of {layout.shard_group_size(world_size)} rank shards nothing "
             f"(DP x CP = {dp_cp}, hsdp_replicas={layout.hsdp_replicas}), and Megatron-FSDP 0.16.1 double-counts "
             "gradients there; use sharding=none or zero1, or more data-parallel ranks per replica")
+    if model.is_moe and layout.expert_data_parallel(world_size) < 2:
+        raise LayoutError(
+            f"sharding={name} shards the experts over the expert data-parallel group, which has "
+            f"{layout.expert_data_parallel(world_size)} rank here (world {world_size} / expert TP {layout.expert_tp} x "
+            f"EP {layout.expert_parallel} x PP {layout.pipeline_parallel}), and Megatron-FSDP 0.16.1 double-counts "
+            "gradients in a shard group of one rank; use a smaller expert_parallel or more ranks (expert DP >= 2)")
     if model.is_moe and layout.hsdp_replicas > 1:
         raise LayoutError("a MoE model with hsdp_replicas > 1 trains wrong weights under Megatron-FSDP 0.16.1 "
                           "(no expert mesh for HSDP); use hsdp_replicas=1 (shard over all of DP)")

@@ -278,5 +278,5 @@ def main_train(config: ExperimentConfig) -> int:
             info(f"[{config.name}] done: {len(history)} steps, final loss {history[-1].loss:.4f}")
     finally:
         run.writer.close(failed)  # marks the tracker runs finished (or failed)
-        shutdown()
+        shutdown(barrier=not failed)  # after an error: no barrier the peers never reach
     return 0

@@ -111,11 +111,15 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = True) -> None:
+    """Tear down Megatron's groups and the process group. barrier=False after an error on
+    this rank: its peers may be waiting in another collective, and a barrier would hang the
+    rank instead of letting its exception end the job."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -87,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
 
+    resolved = []
+
     def check() -> int:
         config = resolve_config(args.recipe, args.config, args.overrides)
         validate_for_world(config, args.nproc)
         validate_inputs(config)
+        resolved.append(config)
         return 0
 
     code = run_cli(check, bad_input=(ConfigError, ValueError))
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("PYTHONWARNINGS", "ignore")
     started = time.time()
     code = run_forwarding_signals(cmd, env)
-    reports = hang_reports(config.logging.run_dir, newer_than=started) if code else []
+    reports = hang_reports(resolved[0].logging.run_dir, newer_than=started) if code else []
     if reports:
         print(f"error: the hang watchdog stopped the run (exit {EXIT_HANG}; torchrun said {code}): "
               f"{reports[0].read_text().splitlines()[0]}", file=sys.stderr)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
 from pretrain.megatron_fixes.optimizer_save import STATE_KEYS, like_model_tensor
@@ -133,11 +134,17 @@ def _model_tensors(model_sd: dict) -> dict:
 
 
 def optimizer_state_for_save(run_state, model_sd: dict) -> dict:
-    """The fully_reshardable optimizer state dict (call while `gathered`)."""
+    """The fully_reshardable optimizer state dict (call while `gathered`).
+
+    Rank 0 of each parameter's shard group (the data-parallel group, the expert data-parallel
+    group for experts, the replica's group under HSDP) gathers the full TP-local tensors.
+    Every other rank lists the same tensors as zero-stride placeholders: the structure is then
+    identical on every rank (Megatron compares the non-tensor part across ranks), and the
+    save keeps only main replicas (`keep_only_main_replica`), which the model's replica ids
+    put on gathering ranks (checked)."""
     optimizer = run_state.optimizer
     _ensure_adam_state(optimizer)
     state = _common(optimizer)
-    writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     model_tensor = _model_tensors(model_sd)
     param_state, index = {}, 0
     for chunk in run_state.model:
@@ -146,25 +153,27 @@ def optimizer_state_for_save(run_state, model_sd: dict) -> dict:
             pieces = {"param": _local(item.main), "exp_avg": _local(adam["exp_avg"]),
                       "exp_avg_sq": _local(adam["exp_avg_sq"])}
             full = _gather_full(item, pieces)
-            if writer:
-                sharded = model_tensor[item.raw]
-                param_state[index] = {key: like_model_tensor(sharded, key, full[key].view(sharded.data.shape))
-                                      for key in STATE_KEYS}
+            sharded = model_tensor[item.raw]
+            shape = sharded.data.shape
+            if not full and is_main_replica(sharded.replica_id):
+                raise RuntimeError(f"{sharded.key}: this rank holds the main replica but is not rank 0 of its "
+                                   "Megatron-FSDP shard group, so it has no full optimizer state to save")
+            placeholder = torch.empty(1, dtype=torch.float32).expand(shape)
+            param_state[index] = {key: like_model_tensor(sharded, key, full[key].view(shape) if full else placeholder)
+                                  for key in STATE_KEYS}
             index += 1
-    state["param_state"] = param_state if writer else None
+    state["param_state"] = param_state
     state["param_state_sharding_type"] = "fully_reshardable"
     return state
 
 
 def _gather_full(item: _Item, pieces: dict) -> dict:
-    """{key: the parameter's full TP-local flat tensor} on shard-group rank 0 (None elsewhere)."""
+    """{key: the parameter's full TP-local flat tensor} on shard-group rank 0 ({} elsewhere)."""
     group, start_end = item.shard_group, item.piece()
     mine = (start_end, {k: v.detach().reshape(-1).cpu() for k, v in pieces.items()})
     everyone = [None] * group.size() if group.rank() == 0 else None
     dist.gather_object(mine, everyone, dst=dist.get_global_rank(group, 0), group=group)
     if everyone is None:
-        if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-            raise RuntimeError("data-parallel rank 0 is not rank 0 of its Megatron-FSDP shard group")
         return {}
     numel = item.raw.numel()
     full = {k: torch.empty(numel, dtype=torch.float32) for k in pieces}

@@ -67,7 +67,9 @@ METADATA_GLOBALS = frozenset(
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")]
     + [(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")]
-    + [(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    # Megatron's cached save plans (a save whose structure repeats the previous one) store
+    # every rank's SavePlan, with the filesystem writer's per-rank file prefix.
+    + [(f"{_DCP}.filesystem", "_StorageInfo"), (f"{_DCP}.filesystem", "_StoragePrefix"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
        ("collections", "OrderedDict"),
        # StorageMeta.checkpoint_id, when the writer was given a path (checkpoints_tools' is)
        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")]

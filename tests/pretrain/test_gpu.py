@@ -167,26 +167,23 @@ def test_moe_grouped_gemm_matches_the_expert_loop(tmp_path):
     assert grouped[-1] < grouped[0]
 
 
-def _sharding_override() -> list[str]:
-    """The ZeRO-3 override of issue 14 (Megatron-FSDP), if that key exists on this branch."""
-    from pretrain.config import ExperimentConfig
-
-    for section in ("parallel", "optimizer"):
-        fields = ExperimentConfig.model_fields[section].annotation.model_fields
-        for key in ("data_parallel_sharding", "zero", "sharding"):
-            if key in fields:
-                return [f"{section}.{key}=zero3"]
-    return []
-
-
-def test_sharded_data_parallel_on_one_gpu(tmp_path):
-    override = _sharding_override()
-    if not override:
-        pytest.skip("no data-parallel sharding key yet (parallel.data_parallel_sharding: issue 14, Megatron-FSDP)")
+@two_gpus
+def test_sharded_data_parallel_matches_ddp(tmp_path):
+    """ZeRO-2 and ZeRO-3 (Megatron-FSDP) over 2 GPUs against plain DDP over the same 2 (a
+    shard group of one GPU shards nothing and is refused)."""
     over = ["runtime.dtype=fp32", "runtime.spec=auto"]
-    sharded = _losses(tmp_path, "zero3", over + override)
-    plain = _losses(tmp_path, "ddp", over)
-    _close(sharded, plain, 1e-5, f"{override[0]} vs DDP")
+    plain = _losses(tmp_path, "ddp", over + ["parallel.sharding=none"], nproc=2)
+    for level in ("zero2", "zero3"):
+        _close(_losses(tmp_path, level, over + [f"parallel.sharding={level}"], nproc=2), plain, 1e-5,
+               f"{level} vs DDP")
+
+
+def test_optimizer_cpu_offload_matches_on_gpu(tmp_path):
+    """Megatron's optimizer CPU offload (fp32 main weights and Adam moments in host memory,
+    Adam stepped on the CPU) against the same run with the optimizer on the GPU."""
+    over = ["runtime.dtype=fp32", "runtime.spec=auto", "parallel.sharding=zero1"]
+    _close(_losses(tmp_path, "offload", over + ["optimizer.cpu_offload=true"]),
+           _losses(tmp_path, "on-gpu", over), 1e-5, "optimizer CPU offload vs on GPU")
 
 
 @needs_te

@@ -12,6 +12,7 @@ at TP2 x PP2 with every tensor (optimizer state and the fused SwiGLU fc1 include
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -38,8 +39,12 @@ LAYOUTS = {
     "HSDP2x2-ZeRO3": ("tiny-llama", 4, ["parallel.sharding=zero3", "parallel.hsdp_replicas=2"]),
     # 16 sequences over DP2 in micro-batches of 2: 4 micro-batches of gradient accumulation.
     "DP2-ZeRO3-4mb": ("tiny-llama", 2, ["parallel.sharding=zero3", "schedule.global_batch_size=16"]),
-    "MoE-EP2-ZeRO3": ("tiny-moe", 2, ["parallel.sharding=zero3", "parallel.expert_parallel=2"]),
+    # EP2 over 4 ranks: experts sharded over an expert-DP group of 2 (a group of 1 is refused).
+    "MoE-EP2-ZeRO3": ("tiny-moe", 4, ["parallel.sharding=zero3", "parallel.expert_parallel=2"]),
 }
+# Optimizer tensors: "optimizer.state..." (one optimizer) or "chained_<i>.optimizer.state..." (a MoE
+# model's dense and expert optimizers under DDP).
+OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 REFERENCE = {"tiny-llama": [], "tiny-llama-16": ["schedule.global_batch_size=16"], "tiny-moe": []}
 
 
@@ -88,7 +93,7 @@ def test_sharded_layout_matches_one_rank(runs, name):
     final = f"step_{STEPS:08d}"
     mine = _tensors(got["ckpt"] / final)
     theirs = _tensors(want["ckpt"] / final)
-    model_keys = sorted(k for k in theirs if not k.startswith("optimizer."))
+    model_keys = sorted(k for k in theirs if not OPTIMIZER_KEY.match(k))
     assert model_keys and set(model_keys) <= set(mine)
     worst = max((mine[k] - theirs[k]).abs().max().item() for k in model_keys)
     print(f"{name}: loss {loss:.2e}, grad norm {norm:.2e}, weights {worst:.2e} (max abs)")
@@ -106,8 +111,10 @@ def test_a_doubled_gradient_would_show(runs, tmp_path):
     assert moved > 1e-3, moved
 
 
-@pytest.mark.parametrize("name", ["DP2-ZeRO2", "DP2-ZeRO3", "HSDP2x2-ZeRO3"])
+@pytest.mark.parametrize("name", ["DP2-ZeRO2", "DP2-ZeRO3", "HSDP2x2-ZeRO3", "MoE-EP2-ZeRO3"])
 def test_resume_from_the_async_save_is_exact(runs, name, tmp_path):
+    """MoE: each EP rank's experts (and their Adam moments) are saved by that rank, the rank
+    0 of its expert shard group (a save by data-parallel rank 0 alone lost them and hung)."""
     recipe, nproc, extra = LAYOUTS[name]
     resumed = _run(tmp_path, "resumed", recipe, nproc, extra + [
         f"checkpoint.resume={runs[name]['ckpt'] / 'step_00000002'}"])

@@ -19,8 +19,10 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False,
     run = setup(config)
     if double_grad_at_step is not None:
         _double_gradient_at(run, double_grad_at_step)
+    failed = True
     try:
         history = train_loop(run, run.start_step)
+        failed = False
         models = [_gpt(chunk) for chunk in run.state.model]
         params = sum(p.numel() for model in models for p in model.parameters())
         layers = sorted(layer.layer_number for model in models for layer in model.decoder.layers)
@@ -43,7 +45,7 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False,
         return result
     finally:
         run.writer.close()
-        shutdown()
+        shutdown(barrier=not failed)  # a failed rank's peers may wait in another collective
 
 
 def _gpt(chunk):
