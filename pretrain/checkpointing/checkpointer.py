@@ -287,7 +287,29 @@ def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
              for k, v in mine.items() if meta.model.get(k) != v]
     if diffs:
         raise CheckpointError(f"checkpoint {path} is from an incompatible model:\n  " + "\n  ".join(diffs))
+    _check_moe_optimizer_move(path, meta, config)
     return meta
+
+
+def _fsdp_sharding(sharding: Optional[str]) -> bool:
+    return sharding in ("zero2", "zero3")
+
+
+def _check_moe_optimizer_move(path: Path, meta: CheckpointMeta, config: ExperimentConfig) -> None:
+    """A MoE model's optimizer state cannot move between Megatron-FSDP (one optimizer over
+    every parameter) and DDP / ZeRO-1 (separate dense and expert optimizers, `chained_<i>`
+    keys): refused with the way out, instead of failing inside the load."""
+    if not config.model.is_moe or not meta.has_optimizer:
+        return
+    saved = meta.layout.get("sharding")
+    if _fsdp_sharding(saved) == config.parallel.fsdp:
+        return
+    raise CheckpointError(
+        f"checkpoint {path} holds a MoE model's optimizer state saved with parallel.sharding={saved or 'none/zero1'}, "
+        f"which cannot load at sharding={config.parallel.sharding or 'none/zero1'} (dense and expert optimizer state "
+        "are kept together under zero2/zero3, apart otherwise); resume at the saved sharding level, or continue "
+        "from the weights with a fresh optimizer: python -m checkpoints_tools.reshard "
+        f"{path} NEW_DIR --drop-optimizer, then checkpoint.resume=NEW_DIR")
 
 
 def precision_change(path: Path, meta: CheckpointMeta, config: ExperimentConfig) -> Optional[str]:

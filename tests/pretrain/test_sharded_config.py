@@ -64,3 +64,21 @@ def test_sharding_follows_optimizer_distributed_unless_set():
                                                      "schedule.global_batch_size=32"])
     validate_for_world(config, 8)
     assert config.parallel.describe(8) == "TP1xPP1xDP8xZeRO3xHSDP2" and config.parallel.shard_group_size(8) == 4
+
+
+@pytest.mark.parametrize("saved, resumed", [("zero3", "zero1"), ("zero1", "zero2")])
+def test_moe_optimizer_state_does_not_move_between_fsdp_and_ddp(tmp_path, saved, resumed):
+    """A MoE checkpoint with optimizer state, resumed across the Megatron-FSDP / DDP line,
+    is refused before loading with the way out (same level, or reshard --drop-optimizer)."""
+    from pretrain.checkpointing.checkpointer import CheckpointError, check_compatible
+    from pretrain.cli import resolve_config
+    from tests.pretrain.test_checkpoint import _fake_checkpoints
+
+    def config(level):
+        return resolve_config("tiny-moe", None, [*BASE, f"parallel.sharding={level}"])
+
+    _fake_checkpoints(tmp_path, config(saved), [4])
+    step = tmp_path / "step_00000004"
+    check_compatible(step, config(saved))  # same level: fine
+    with pytest.raises(CheckpointError, match="--drop-optimizer"):
+        check_compatible(step, config(resumed))
