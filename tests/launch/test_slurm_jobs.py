@@ -118,14 +118,15 @@ def test_hostile_names_paths_and_overrides_run_no_command(slurm_env, tmp_path, c
 
 
 def test_job_exit_code_is_the_trainings(slurm_env, tmp_path, cache_dir):
-    """A training that fails (data only 'the compute nodes see', and it is not there) fails the job."""
+    """A training that fails (data only 'the compute nodes see', and it is not there) fails the
+    job with the training's status: 2, the missing data refused before any process group."""
     run_dir = tmp_path / "run"
     overrides = ["data.demo=false", f"data.blend=[[1.0, {tmp_path}/missing/prefix]]", "data.tokenizer=byte",
                  "schedule.train_steps=2", "logging.tensorboard=false"]
     job_id = submit(cpu_job(run_dir, cache_dir, ranks=1, extra=("--no-path-check",)) + overrides, slurm_env)
     info = wait_for_job(job_id, slurm_env, run_dir)
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info
-    assert "training exited with status 1" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "training exited with status 2" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
 
 
 def test_torchrun_per_node_launcher(slurm_env, tmp_path, cache_dir):

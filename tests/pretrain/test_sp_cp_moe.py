@@ -208,4 +208,5 @@ def test_te_spec_without_transformer_engine_is_refused_at_setup(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pretrain", "--recipe", "tiny-llama", *BASE, *SEQ64,
                            "runtime.spec=te", f"logging.run_dir={tmp_path}"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "needs Transformer Engine" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "needs Transformer Engine" in proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
