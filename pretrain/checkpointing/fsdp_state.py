@@ -143,28 +143,20 @@ def optimizer_state_for_save(run_state, model_sd: dict) -> dict:
     save keeps only main replicas (`keep_only_main_replica`), which the model's replica ids
     put on gathering ranks (checked)."""
     optimizer = run_state.optimizer
-    _ensure_adam_state(optimizer)
-    state = _common(optimizer)
-    model_tensor = _model_tensors(model_sd)
-    param_state, index = {}, 0
-    for chunk in run_state.model:
-        for item in _items(chunk):
-            adam = optimizer.optimizer.state[item.main]
-            pieces = {"param": _local(item.main), "exp_avg": _local(adam["exp_avg"]),
-                      "exp_avg_sq": _local(adam["exp_avg_sq"])}
-            full = _gather_full(item, pieces)
-            sharded = model_tensor[item.raw]
-            shape = sharded.data.shape
-            if not full and is_main_replica(sharded.replica_id):
-                raise RuntimeError(f"{sharded.key}: this rank holds the main replica but is not rank 0 of its "
-                                   "Megatron-FSDP shard group, so it has no full optimizer state to save")
-            placeholder = torch.empty(1, dtype=torch.float32).expand(shape)
-            param_state[index] = {key: like_model_tensor(sharded, key, full[key].view(shape) if full else placeholder)
-                                  for key in STATE_KEYS}
-            index += 1
-    state["param_state"] = param_state
-    state["param_state_sharding_type"] = "fully_reshardable"
-    return state
+
+    def tensors(item: _Item, sharded) -> dict:
+        adam = optimizer.optimizer.state[item.main]
+        pieces = {"param": _local(item.main), "exp_avg": _local(adam["exp_avg"]),
+                  "exp_avg_sq": _local(adam["exp_avg_sq"])}
+        full = _gather_full(item, pieces)
+        shape = sharded.data.shape
+        if not full and is_main_replica(sharded.replica_id):
+            raise RuntimeError(f"{sharded.key}: this rank holds the main replica but is not rank 0 of its "
+                               "Megatron-FSDP shard group, so it has no full optimizer state to save")
+        placeholder = torch.empty(1, dtype=torch.float32).expand(shape)
+        return {key: full[key].view(shape) if full else placeholder for key in STATE_KEYS}
+
+    return _optimizer_state(run_state, model_sd, tensors)
 
 
 def _gather_full(item: _Item, pieces: dict) -> dict:
@@ -186,6 +178,15 @@ def _gather_full(item: _Item, pieces: dict) -> dict:
 def optimizer_state_for_load(run_state, model_sd: dict) -> dict:
     """What `dist_checkpointing.load` fills: every parameter's full TP-local optimizer tensors
     (on every rank), and the common part (call while `gathered`)."""
+    def tensors(item: _Item, sharded) -> dict:
+        return {key: torch.empty(sharded.data.shape, dtype=torch.float32) for key in STATE_KEYS}
+
+    return _optimizer_state(run_state, model_sd, tensors)
+
+
+def _optimizer_state(run_state, model_sd: dict, tensors) -> dict:
+    """The fully_reshardable optimizer state dict: the common part, and per parameter (in
+    `_items` order) `tensors(item, model ShardedTensor)` wrapped like the model's tensor."""
     optimizer = run_state.optimizer
     _ensure_adam_state(optimizer)
     state = _common(optimizer)
@@ -194,8 +195,8 @@ def optimizer_state_for_load(run_state, model_sd: dict) -> dict:
     for chunk in run_state.model:
         for item in _items(chunk):
             sharded = model_tensor[item.raw]
-            param_state[index] = {key: like_model_tensor(sharded, key, torch.empty(sharded.data.shape, dtype=torch.float32))
-                                  for key in STATE_KEYS}
+            param_state[index] = {key: like_model_tensor(sharded, key, value)
+                                  for key, value in tensors(item, sharded).items()}
             index += 1
     state["param_state"] = param_state
     state["param_state_sharding_type"] = "fully_reshardable"
