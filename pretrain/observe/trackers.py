@@ -11,7 +11,12 @@ The tracker run ids are stored in each checkpoint's meta.json (`tracker_runs`), 
 resumed (or requeued) run continues the same MLflow / W&B run.
 
 MLflow logs asynchronously (MLflow's own queue thread), so a remote tracking server adds no
-latency to the step; W&B's `run.log` hands records to its service process.
+latency to the step, and in batches of at most `MLFLOW_FLUSH_S` seconds of records: each
+`log_batch` costs ~5.5 ms of this process's CPU whatever its size (SQLite store, measured),
+one per step was 2% of a 240 ms CPU step, one per 20 steps costs 1.1 ms a step. A run that
+dies without closing its trackers (killed, hung) loses at most those seconds in MLflow;
+`metrics.jsonl` has every record. W&B's `run.log` hands records to its service process
+(~1 ms a record here plus ~0.5 ms in the service).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Optional
 from pretrain.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
+MLFLOW_FLUSH_S = 5.0  # the longest a record waits before it is handed to MLflow
+MLFLOW_MAX_METRICS = 1000  # MLflow's limit on metrics per log_batch
 
 
 def git_commit() -> str:
@@ -90,6 +97,8 @@ class MlflowTracker:
             self.run_id = run.info.run_id
         self._log_params(params)
         self._pending: list = []  # RunOperations of async log_batch calls not yet waited for
+        self._buffer: list = []  # Metrics not yet handed to MLflow
+        self._flushed_at = time.monotonic()
 
     def _exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -111,14 +120,25 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._pending.append(self.client.log_batch(
-            self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=False))
+        self._buffer.extend(Metric(k, v, now, step) for k, v in metrics.items())
+        if (time.monotonic() - self._flushed_at >= MLFLOW_FLUSH_S
+                or len(self._buffer) + len(metrics) > MLFLOW_MAX_METRICS):
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the buffered metrics to MLflow's queue (asynchronous, returns at once)."""
+        self._flushed_at = time.monotonic()
+        if not self._buffer:
+            return
+        self._pending.append(self.client.log_batch(self.run_id, metrics=self._buffer, synchronous=False))
+        self._buffer = []
         if len(self._pending) > 256:  # the old ones are long written: waiting returns at once
             for operation in self._pending[:-32]:
                 operation.wait()
             del self._pending[:-32]
 
     def close(self, failed: bool) -> None:
+        self.flush()
         for operation in self._pending:
             operation.wait()
         self._pending = []

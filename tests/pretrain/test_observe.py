@@ -106,6 +106,35 @@ def test_mlflow_records_equal_metrics_jsonl_and_resume_continues_the_run(observe
     assert run.data.tags["git_commit"].removesuffix("-dirty") == head
 
 
+def test_mlflow_records_wait_in_a_buffer_then_go_in_one_batch(tmp_path):
+    """Records reach MLflow in one log_batch per MLFLOW_FLUSH_S (a batch costs the same CPU
+    whatever its size), and close() hands over what is still buffered."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from pretrain.cli import resolve_config
+    from pretrain.observe import trackers as tr
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    config = resolve_config("tiny-llama", None, [f"logging.run_dir={tmp_path}", "tracking.mlflow=true",
+                                                 f"tracking.mlflow_tracking_uri={uri}"])
+    tracker = tr.MlflowTracker(config, None, "abc", lambda m: None)
+    client = MlflowClient(tracking_uri=uri)
+    for step in (1, 2, 3):
+        tracker.log({"loss": float(step)}, step)
+    assert client.get_metric_history(tracker.run_id, "loss") == []  # still buffered
+    tracker._flushed_at -= tr.MLFLOW_FLUSH_S  # the interval has passed
+    tracker.log({"loss": 4.0}, 4)
+    assert not tracker._buffer and len(tracker._pending) == 1
+    tracker._pending[0].wait()
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [1, 2, 3, 4]
+    tracker.log({"loss": 5.0}, 5)
+    tracker.close(failed=False)
+    history = client.get_metric_history(tracker.run_id, "loss")
+    assert {m.step: m.value for m in history} == {s: float(s) for s in range(1, 6)}
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+
 def _wandb_records(path: str):
     """The protobuf records of a W&B transaction log (.wandb: a 7-byte header, then a
     LevelDB-style log of 32 KiB blocks, each record chunk with a 7-byte header)."""
