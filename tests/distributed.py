@@ -4,11 +4,20 @@
 torchrun-style environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
 calls `function(**kwargs)` in each and returns every rank's JSON-serialisable result.
 Fresh processes, because Megatron-Core's parallel_state is process-global.
+
+Each rank is forked from a multiprocessing forkserver that imported torch, Megatron-Core and
+the training code once per pytest session (`PRELOAD`): the fork is a process that has run
+nothing yet, like a fresh interpreter, without the ~4.6 s of CPU those imports cost every
+rank (the suite starts hundreds of ranks on two cores). The forkserver is started with the
+environment every rank gets (OMP_NUM_THREADS=1, warnings ignored: both read at start-up);
+each rank then takes its own environment, working directory and log file. A call with its
+own `env` (read at import time, e.g. CUDA_VISIBLE_DEVICES) starts fresh interpreters instead.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -38,6 +47,49 @@ if dist is not None and dist.is_initialized():
 """
 
 
+# Imported once in the forkserver; a rank imports anything else itself.
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "pretrain.loop", "pretrain.runtime",
+           "tests.pretrain.workers", "tests.checkpoints_tools.workers"]
+# The environment read when an interpreter starts (or torch loads): the forkserver's.
+_STARTUP_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+_forkserver = None
+
+
+def _forked_context():
+    """The forkserver context, its server started (once) with the ranks' start-up environment."""
+    global _forkserver
+    if _forkserver is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = {key: os.environ.get(key) for key in _STARTUP_ENV}
+        os.environ.update(_STARTUP_ENV)
+        try:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        _forkserver = context
+    return _forkserver
+
+
+def _forked_rank(target: str, kwargs_file: str, out: str, log_path: str, env: dict) -> None:
+    """A rank in a process forked from the forkserver: what _BOOT does in a fresh one."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    sys.argv = ["-c", target, kwargs_file, out]
+    exec(compile(_BOOT, "<rank>", "exec"), {"__name__": "__rank__"})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,26 +107,59 @@ def run_ranks(nproc: int, target: str, *, timeout: float = 600, env: dict | None
         kwargs_file = tmpdir / "kwargs.json"
         kwargs_file.write_text(json.dumps(kwargs))
         port = free_port()
-        procs, logs = [], []
+        rank_envs = []
         for rank in range(nproc):
             rank_env = dict(os.environ)
             rank_env.update(
                 RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                PYTHONPATH=f"{REPO}{os.pathsep}{rank_env.get('PYTHONPATH', '')}",
-                PYTHONWARNINGS="ignore",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                PYTHONPATH=f"{REPO}{os.pathsep}{rank_env.get('PYTHONPATH', '')}", **_STARTUP_ENV,
             )
-            rank_env.update(env or {})
-            log = open(tmpdir / f"rank{rank}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", _BOOT, target, str(kwargs_file), str(tmpdir / f"rank{rank}.json")],
-                cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-            ))
+            rank_envs.append(dict(rank_env, **(env or {})))
+        args = [(target, str(kwargs_file), str(tmpdir / f"rank{r}.json"), str(tmpdir / f"rank{r}.log"))
+                for r in range(nproc)]
+        procs = _fresh(args, rank_envs) if env else _forked(args, rank_envs)
         _wait_all(procs, timeout, tmpdir)
-        for log in logs:
-            log.close()
         return [json.loads((tmpdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+class _Forked:
+    """A forked rank with the Popen calls _wait_all makes."""
+
+    def __init__(self, process):
+        self.process = process
+
+    def poll(self):
+        return self.process.exitcode
+
+    @property
+    def returncode(self):
+        return self.process.exitcode
+
+    def kill(self):
+        self.process.kill()
+
+    def wait(self):
+        self.process.join()
+
+
+def _forked(args: list[tuple], envs: list[dict]) -> list:
+    context = _forked_context()
+    procs = []
+    for rank_args, env in zip(args, envs):
+        process = context.Process(target=_forked_rank, args=(*rank_args, env), daemon=False)
+        process.start()
+        procs.append(_Forked(process))
+    return procs
+
+
+def _fresh(args: list[tuple], envs: list[dict]) -> list[subprocess.Popen]:
+    procs = []
+    for (target, kwargs_file, out, log_path), env in zip(args, envs):
+        with open(log_path, "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", _BOOT, target, kwargs_file, out],
+                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float, tmpdir: Path) -> None:
