@@ -38,16 +38,25 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in lines if '"loss"' in line]
 
 
+def _launch(run_dir, ckpt, layout: list[str], steps: int, resume: str = "none") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    overrides = [o for o in BASE if not o.startswith("checkpoint.resume")]
+    return subprocess.Popen(
+        [sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", "2", *layout, *overrides,
+         f"schedule.train_steps={steps}", f"logging.run_dir={run_dir}", f"checkpoint.dir={ckpt}",
+         f"checkpoint.resume={resume}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("layout", [["parallel.pipeline_parallel=2"], ["parallel.sharding=zero3"]],
+                         ids=["PP2", "DP2-ZeRO3"])
+def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path, layout):
+    """ZeRO-3 too: the preemption save goes through Megatron-FSDP's state (gathered weights,
+    resharded optimizer state) and the run resumes from it."""
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", "2",
-         "parallel.pipeline_parallel=2", *BASE, "schedule.train_steps=100000", f"logging.run_dir={run_dir}",
-         f"checkpoint.dir={ckpt}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _launch(run_dir, ckpt, layout, 100000)
     deadline = time.monotonic() + 300
     while len(_metrics(run_dir)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
@@ -62,3 +71,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path):
     assert latest == f"step_{stopped:08d}" and (ckpt / latest / "COMPLETE").is_file()
     gone, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive, f"left running: {[p.pid for p in alive]}"
+    if "parallel.sharding=zero3" in layout:
+        resumed = _launch(tmp_path / "resumed", ckpt, layout, stopped + 1, resume="auto")
+        out = resumed.communicate(timeout=300)[0]
+        assert resumed.returncode == 0, out
+        assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [stopped + 1], out
