@@ -12,6 +12,8 @@ rank (the suite starts hundreds of ranks on two cores). The forkserver is starte
 environment every rank gets (OMP_NUM_THREADS=1, warnings ignored: both read at start-up);
 each rank then takes its own environment, working directory and log file. A call with its
 own `env` (read at import time, e.g. CUDA_VISIBLE_DEVICES) starts fresh interpreters instead.
+A forked rank ends as multiprocessing ends its children, with os._exit: atexit handlers do
+not run, so what a rank opens it closes itself (the trackers, the process group: _BOOT).
 """
 
 from __future__ import annotations
