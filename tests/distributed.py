@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,18 +64,10 @@ def _forked_context():
     if _forkserver is None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
-        saved = {key: os.environ.get(key) for key in _STARTUP_ENV}
-        os.environ.update(_STARTUP_ENV)
-        try:
+        with mock.patch.dict(os.environ, _STARTUP_ENV):
             from multiprocessing import forkserver
 
             forkserver.ensure_running()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         _forkserver = context
     return _forkserver
 
