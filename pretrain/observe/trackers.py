@@ -121,6 +121,7 @@ class MlflowTracker:
 
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, v, now, step) for k, v in metrics.items())
+        # Flush now if the next record of this size would take the batch past MLflow's limit.
         if (time.monotonic() - self._flushed_at >= MLFLOW_FLUSH_S
                 or len(self._buffer) + len(metrics) > MLFLOW_MAX_METRICS):
             self.flush()
