@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from launch.launchers.local import torchrun_module
+
 KINDS = ("params", "grads", "main_params", "optimizer_states")
 TARGET_ZERO3_DP4_FRACTION = 0.30
 TARGET_PREDICTION_ERROR = 0.05
@@ -149,16 +151,6 @@ def sharding_overrides(zero: int) -> list[str]:
 # Driving torchrun and comparing with the planner
 
 
-def _torchrun(nproc: int, args: list[str]) -> list[str]:
-    import socket
-
-    with socket.socket() as s:  # a free port: concurrent runs on one machine do not collide
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-            "127.0.0.1", "--master-port", str(port), "-m", "launch.memory_benchmark", *args]
-
-
 def run_world(recipe: str, dp: int, zeros: list[int], overrides: list[str]) -> list[list[dict]]:
     """Per rank, per ZeRO stage: the measurements of one torchrun at world size `dp` x the
     model-parallel size the overrides ask for."""
@@ -167,7 +159,8 @@ def run_world(recipe: str, dp: int, zeros: list[int], overrides: list[str]) -> l
     model_parallel = resolve_config(recipe, None, overrides).parallel.model_parallel_size
     with tempfile.TemporaryDirectory(prefix="memory-benchmark-") as out:
         worker = ["--worker", out, "--recipe", recipe, "--zero", *map(str, zeros), *overrides]
-        proc = subprocess.run(_torchrun(dp * model_parallel, worker), capture_output=True, text=True,
+        cmd = torchrun_module(dp * model_parallel, "launch.memory_benchmark", worker)
+        proc = subprocess.run(cmd, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         if proc.returncode:
             raise SystemExit(f"error: the DP{dp} run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")

@@ -31,15 +31,24 @@ from pretrain.observe.watchdog import EXIT_HANG, hang_reports
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
-def torchrun_command(recipe: str, nproc: int, overrides: list[str], config_file: str | None = None) -> list[str]:
-    """The torchrun command line that trains `recipe` with nproc ranks on this machine."""
+def free_port() -> int:
+    """A free port on this machine, so concurrent local runs do not collide."""
     import socket
 
-    with socket.socket() as s:  # a free port, so concurrent local runs do not collide
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "pretrain", "--recipe", recipe]
+        return s.getsockname()[1]
+
+
+def torchrun_module(nproc: int, module: str, args: list[str]) -> list[str]:
+    """torchrun running `python -m module *args` as nproc ranks on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args]
+
+
+def torchrun_command(recipe: str, nproc: int, overrides: list[str], config_file: str | None = None) -> list[str]:
+    """The torchrun command line that trains `recipe` with nproc ranks on this machine."""
+    cmd = torchrun_module(nproc, "pretrain", ["--recipe", recipe])
     if config_file:
         cmd += ["--config", config_file]
     return cmd + list(overrides)
