@@ -15,12 +15,19 @@ nsys mode (CUDA): cudaProfilerStart/Stop around the window and NVTX ranges, for
 A memory snapshot (CUDA) records the caching allocator's history during one step and dumps
 it as memory_snapshot.pickle (pytorch.org/memory_viz).
 
+With the flight recorder on (the watchdog's, on by default), each profiled rank also writes
+collectives.json: the collectives the window's steps issued, as the process groups' backends
+ran them, with each group's size (`launch.comm_replay` replays them).
+
 Off (profile.start_step unset, or a rank not in profile.ranks): `build` returns None and
 the loop calls nothing.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +39,7 @@ from pretrain.observe.timers import StepTimers
 TRACE = "trace.json.gz"
 TOP_OPS = "top_ops.txt"
 SNAPSHOT = "memory_snapshot.pickle"
+COLLECTIVES = "collectives.json"
 
 
 def profile_dir(config: ExperimentConfig) -> Path:
@@ -76,10 +84,13 @@ class StepProfiler:
         # A warm-up step before the window, unless the window starts at this run's first step.
         self.warmup = 1 if first is not None and first - 1 > start_step else 0
         self.prof = None
+        self._window_ns: Optional[int] = None  # when the window's first step began
 
     def before_step(self, step: int) -> None:
         if step == self.cfg.memory_snapshot_step:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
+        if self.window and step == self.window.start:
+            self._window_ns = time.time_ns()
         if not self.window or step != self.window.start - self.warmup:
             return
         if self.cfg.mode == "nsys":
@@ -105,6 +116,8 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(self.out / SNAPSHOT))
             torch.cuda.memory._record_memory_history(enabled=None)
             self.log(f"rank {self.rank}: CUDA memory snapshot of step {step} in {self.out / SNAPSHOT}")
+        if self.window and step == self.window.stop - 1:
+            self._write_collectives()
         if self.cfg.mode == "nsys":
             if step == self.window.stop - 1:
                 torch.cuda.synchronize()
@@ -123,6 +136,29 @@ class StepProfiler:
             prof, self.prof = self.prof, None
             self.timers.ranges = None
             prof.stop()
+
+    def _write_collectives(self) -> None:
+        """The flight recorder's entries from the window's steps (none written when it is off)."""
+        from pretrain.observe.watchdog import flight_recorder_entries, group_sizes
+
+        if self._window_ns is None or not torch.distributed.is_initialized():
+            return
+        try:
+            entries = flight_recorder_entries()
+        except Exception as exc:  # this torch has none: the profile is still worth having
+            self.log(f"rank {self.rank}: no collectives.json ({type(exc).__name__}: {exc})")
+            return
+        if not entries:
+            return
+        keep = ("profiling_name", "process_group", "input_sizes", "output_sizes", "input_dtypes")
+        window = [{k: e.get(k) for k in keep} for e in entries if e.get("time_created_ns", 0) >= self._window_ns]
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / COLLECTIVES).write_text(json.dumps({
+            "steps": [self.window.start, self.window.stop - 1],
+            # The recorder keeps its newest entries only: a window that issued more lost its first.
+            "may_be_truncated": len(entries) >= int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) > 0
+            and len(window) == len(entries),
+            "group_sizes": group_sizes(), "entries": window}))
 
     def _write(self, prof) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

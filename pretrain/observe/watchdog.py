@@ -51,13 +51,27 @@ def enable_flight_recorder(cfg: WatchdogConfig) -> None:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))
 
 
+def flight_recorder_entries() -> list[dict]:
+    """Every entry torch's flight recorder holds on this rank, oldest first (raises if this
+    torch has no flight recorder)."""
+    import torch._C._distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace_json", None) or c10d._dump_nccl_trace_json
+    return json.loads(dump(True, False)).get("entries", [])
+
+
+def group_sizes() -> dict[str, int]:
+    """Process-group name (the flight recorder's `process_group[0]`) -> number of ranks.
+    The recorder's own `pg_config` lists no ranks for gloo groups (torch 2.13)."""
+    from torch.distributed import distributed_c10d
+
+    return {name: pg.size() for pg, name in distributed_c10d._world.pg_names.items()}
+
+
 def last_collectives(limit: int = 8) -> list[str]:
     """The newest entries of torch's flight recorder, one line each (oldest first)."""
     try:
-        import torch._C._distributed_c10d as c10d
-
-        dump = getattr(c10d, "_dump_fr_trace_json", None) or c10d._dump_nccl_trace_json
-        entries = json.loads(dump(True, False)).get("entries", [])
+        entries = flight_recorder_entries()
     except Exception as exc:  # a report without it is still worth writing
         return [f"(flight recorder unavailable: {type(exc).__name__}: {exc})"]
     if not entries:
