@@ -79,6 +79,9 @@ CASES = {  # name -> (module, arguments given the case's tmp dir, fragments the 
     "benchmark: --nproc 0": ("launch.benchmark", lambda t: ["--recipe", "tiny-llama", "--nproc", "0"], ["--nproc"]),
     "benchmark: --repeats 0": ("launch.benchmark", lambda t: ["--recipe", "tiny-llama", "--repeats", "0"],
                                ["--repeats"]),
+    "comm_replay: TP2": ("launch.comm_replay", lambda t: ["--recipe", "tiny-llama", "--nproc", "2",
+                                                          "parallel.tensor_parallel=2"],
+                         ["parallel.tensor_parallel=2", "data-parallel"]),
 }
 
 
