@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -78,7 +81,6 @@ def collectives_of_window(path: Path, world: int) -> list[dict]:
 def _replay_fn(calls: list[dict], world: int):
     """A function that issues `calls` on buffers allocated once (the floor is the wire, not
     the allocator)."""
-    import torch
     import torch.distributed as dist
 
     steps = []
@@ -101,7 +103,6 @@ def _replay_fn(calls: list[dict], world: int):
 
 def worker(spec: Path, result: Path, iters: int, repeats: int) -> None:
     """One replay rank (started by torchrun); rank 0 writes the per-repeat ms per step."""
-    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -159,28 +160,15 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"replaying its {len(calls)} collectives: {args.repeats} x {args.iters} steps ...",
               file=sys.stderr, flush=True)
         per_repeat = replay(calls, args.nproc, args.iters, args.repeats, tmp)
-    counts: dict[str, int] = {}
-    elements: dict[str, int] = {}
+    elements: Counter = Counter()
     for c in calls:
-        counts[c["op"]] = counts.get(c["op"], 0) + 1
-        elements[c["op"]] = elements.get(c["op"], 0) + _numel(c["shape"])
+        elements[c["op"]] += math.prod(c["shape"])
     comm = statistics.median(per_repeat)
     return {"recipe": args.recipe, "nproc": args.nproc, "overrides": args.overrides,
-            "step_time_s": step, "comm_only_s": comm, "comm_share": comm / step, "collectives": counts,
-            "input_elements": elements,
-            "input_bytes_per_step": sum(_numel(c["shape"]) * _itemsize(c["dtype"]) for c in calls),
+            "step_time_s": step, "comm_only_s": comm, "comm_share": comm / step,
+            "collectives": dict(Counter(c["op"] for c in calls)), "input_elements": dict(elements),
+            "input_bytes_per_step": sum(math.prod(c["shape"]) * getattr(torch, c["dtype"]).itemsize for c in calls),
             "comm_only_per_repeat_s": per_repeat}
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
