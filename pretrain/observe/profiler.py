@@ -143,8 +143,8 @@ class StepProfiler:
 
         if self._window_ns is None or not torch.distributed.is_initialized():
             return
-        try:
-            entries = flight_recorder_entries()
+        try:  # both read torch internals (private in 2.13)
+            entries, sizes = flight_recorder_entries(), group_sizes()
         except Exception as exc:  # this torch has none: the profile is still worth having
             self.log(f"rank {self.rank}: no collectives.json ({type(exc).__name__}: {exc})")
             return
@@ -158,7 +158,7 @@ class StepProfiler:
             # The recorder keeps its newest entries only: a window that issued more lost its first.
             "may_be_truncated": len(entries) >= int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) > 0
             and len(window) == len(entries),
-            "group_sizes": group_sizes(), "entries": window}))
+            "group_sizes": sizes, "entries": window}))
 
     def _write(self, prof) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
