@@ -52,7 +52,7 @@ from checkpoints_tools.mapping import TP_SPLIT, model_key, stacked_axes
 from models.layout import ParallelLayout
 from pretrain.checkpointing.async_writer import own_storage_alias
 from pretrain.checkpointing.integrity import hashing_open
-from pretrain.megatron_fixes.checkpointing import UnsafeCheckpoint, read_metadata_safely
+from pretrain.checkpointing.metadata import UnsafeCheckpoint, read_metadata_safely
 
 # What Megatron-Core writes next to the DCP files (dist_checkpointing/core.py).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -242,7 +242,7 @@ class _Writer(FileSystemWriter):
     def storage_meta(self):
         # torch records the writer's path in .metadata as a pathlib object: here the staging
         # folder, moved away right after, and a class the safe .metadata reader
-        # (megatron_fixes.checkpointing) refuses, so the tools' outputs were unreadable.
+        # (pretrain.checkpointing.metadata) refuses, so the tools' outputs were unreadable.
         # Nothing reads it back (loading needs only state_dict_metadata and storage_data).
         return None
 

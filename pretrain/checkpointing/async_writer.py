@@ -38,8 +38,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller,
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
-from pretrain.megatron_fixes import checkpointing as checkpointing_fixes
-from pretrain.megatron_fixes.checkpointing import tensors_through
+from pretrain.megatron_fixes import dist_checkpointing as checkpointing_fixes
+from pretrain.megatron_fixes.dist_checkpointing import tensors_through
 from pretrain.runtime import collective_device
 
 SHM_MARGIN = 64 << 20  # left free in the tmpfs for everything else that uses it
@@ -167,7 +167,7 @@ def helper_process_init() -> None:
 
 def start_write_results_queue() -> None:
     """dist_checkpointing's write-results Manager, started now as a helper process
-    (megatron_fixes.checkpointing says why)."""
+    (megatron_fixes.dist_checkpointing says why)."""
     checkpointing_fixes.start_write_results_queue(helper_process_init)
 
 

@@ -87,7 +87,7 @@ def _hashing_cost(run, scratch: Path) -> dict:
 
     from pretrain.checkpointing.async_writer import without_clones
     from pretrain.checkpointing.checkpointer import _sharded_state
-    from pretrain.megatron_fixes.checkpointing import unhashed_writes
+    from pretrain.megatron_fixes.dist_checkpointing import unhashed_writes
 
     out = {}
     for name, hooks in (("dcp_save_unhashed_s", unhashed_writes), ("dcp_save_hashed_s", contextlib.nullcontext)):

@@ -27,6 +27,8 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
+from pretrain.checkpointing.metadata import UnsafeCheckpoint, read_metadata_safely
+
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -109,12 +111,11 @@ class CheckpointMeta:
 
 
 def check_metadata(directory: Path) -> None:
-    """Read the torch_dist `.metadata` the safe way (pretrain.megatron_fixes.checkpointing):
+    """Read the torch_dist `.metadata` the safe way (pretrain.checkpointing.metadata):
     CheckpointError if it is missing, damaged, or refers to anything but checkpoint metadata
     (a file crafted to run code when unpickled)."""
     import pickle
 
-    from pretrain.megatron_fixes.checkpointing import UnsafeCheckpoint, read_metadata_safely
 
     path = Path(directory) / ".metadata"
     try:

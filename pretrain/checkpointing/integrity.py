@@ -2,7 +2,7 @@
 
 Writing: the shard files (`__R_S.distcp`, the bulk) are hashed while they are written, by
 the writer processes themselves (`hashing_open`, hooked into dist_checkpointing's writer by
-pretrain.megatron_fixes.checkpointing and into checkpoints_tools' writer directly): each
+pretrain.megatron_fixes.dist_checkpointing and into checkpoints_tools' writer directly): each
 leaves a small `<file>.xxh3` note next to its file. When a checkpoint is finalized, rank 0
 folds the notes into the file table (`collect_file_table`) and hashes the few small files
 (.metadata, common.pt, metadata.json, rng/*.pt, config.yaml) by reading them.
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import xxhash
+
+from pretrain.checkpointing.metadata import read_metadata_safely
 
 NOTE_SUFFIX = ".xxh3"
 CHUNK = 8 << 20
@@ -99,7 +101,6 @@ def collect_file_table(directory: Path) -> dict[str, dict]:
 
 def _named_by_metadata(directory: Path) -> list[str]:
     """For checkpoints without a table: the files torch_dist needs (its .metadata names the shards)."""
-    from pretrain.megatron_fixes.checkpointing import read_metadata_safely
 
     metadata = read_metadata_safely(directory / ".metadata")
     return sorted({info.relative_path for info in metadata.storage_data.values()}) + [".metadata", "common.pt"]

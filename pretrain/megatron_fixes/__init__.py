@@ -16,7 +16,7 @@ start-up when upstream has changed the patched object:
   loading a never-stepped optimizer, a `step` key missing from shards, a shared `step`
   tensor after loading; and its fully-reshardable save state built without Megatron's
   triple copy (`optimizer_save`).
-- `checkpointing`: dist_checkpointing's save planner hands tensors through a hook (async
+- `dist_checkpointing`: dist_checkpointing's save planner hands tensors through a hook (async
   staging, no clones for sync saves); the write-results Manager started up front; safe
   loading (no code runs from a checkpoint); shards hashed as they are written.
 - `fsdp`: Megatron-FSDP (ZeRO-2/3, HSDP) on CPU, and the 0.16.1 bugs its layouts avoid.
@@ -57,12 +57,12 @@ def apply(*, cpu: bool | None = None) -> None:
     CUDA is absent. Call before building models or optimizers."""
     import torch
 
-    from pretrain.megatron_fixes import checkpointing, no_te, optimizer
+    from pretrain.megatron_fixes import dist_checkpointing, no_te, optimizer
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     quiet_cpu_fallback_warnings()
-    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("checkpointing", checkpointing.apply)]
+    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply)]
     if cpu:
         from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.megatron_fixes import _guard, checkpointing, cpu, fsdp, no_te, optimizer
+from pretrain.megatron_fixes import _guard, cpu, dist_checkpointing, fsdp, no_te, optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "models", "data_pipeline", "launch", "checkpoints_tools")
@@ -24,7 +24,7 @@ def test_every_pin_matches_the_installed_megatron_core():
     result = subprocess.run([sys.executable, "-m", "pretrain.megatron_fixes", "--digests"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0 and "CHANGED" not in result.stdout, result.stdout + result.stderr
-    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, fsdp, optimizer, checkpointing))
+    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, fsdp, optimizer, dist_checkpointing))
     assert result.stdout.count("\nok ") == pinned >= 10
 
 

@@ -20,10 +20,10 @@
    with no restriction, and `DefaultLoadPlanner.load_bytes` (default_planner.py) unpickles
    every stored object (Megatron's ShardedObjects, e.g. `_extra_state`) with
    `torch.load(weights_only=False)`: a crafted file ran code on resume, reshard and export.
-   `read_metadata` now unpickles with `MetadataUnpickler`, which admits only the DCP metadata
-   classes a checkpoint's .metadata holds, and `load_bytes` with torch's weights-only
-   unpickler. checkpoints_tools read `.metadata` through `read_metadata_safely` (their reader
-   is torch's FileSystemReader too) and never unpickle stored objects. `common.pt` and our
+   `read_metadata` now unpickles with `pretrain.checkpointing.metadata.MetadataUnpickler`
+   (our safe reader, which admits only the DCP metadata classes a checkpoint's .metadata
+   holds), and `load_bytes` with torch's weights-only unpickler. checkpoints_tools read
+   `.metadata` through that module's `read_metadata_safely` and never unpickle stored objects. `common.pt` and our
    `rng/*.pt` are read with `weights_only=True` (torch's default since 2.6) already.
 4. Shard files hashed as they are written. `FileSystemWriterAsync.write_preloaded_data`
    (strategies/filesystem_async.py, every torch_dist save, sync or async) opens each shard
@@ -38,11 +38,12 @@ from __future__ import annotations
 import contextlib
 import io
 import multiprocessing as mp
-import pickle
 from typing import Callable, Optional
 
 import torch
 
+from pretrain.checkpointing.integrity import hashing_open
+from pretrain.checkpointing.metadata import MetadataUnpickler
 from pretrain.megatron_fixes._guard import expect_absent, expect_sources
 
 SOURCES = {
@@ -57,48 +58,6 @@ SOURCES = {
     "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.write_preloaded_data":
         "0aef9e6cbe573e10",
 }
-
-_DCP = "torch.distributed.checkpoint"
-# Every global a torch_dist `.metadata` refers to (found by tracing the unpickling of
-# checkpoints of every layout this project writes, and of checkpoints_tools' output; a
-# test keeps the tools' output loadable: tests/checkpoints_tools).
-METADATA_GLOBALS = frozenset(
-    [(f"{_DCP}.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")]
-    + [(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")]
-    # Megatron's cached save plans (a save whose structure repeats the previous one) store
-    # every rank's SavePlan, with the filesystem writer's per-rank file prefix.
-    + [(f"{_DCP}.filesystem", "_StorageInfo"), (f"{_DCP}.filesystem", "_StoragePrefix"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-       ("collections", "OrderedDict"),
-       # StorageMeta.checkpoint_id, when the writer was given a path (checkpoints_tools' is)
-       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")]
-)
-
-
-class UnsafeCheckpoint(pickle.UnpicklingError):
-    """A checkpoint file refers to something a checkpoint never holds (maybe crafted to run code)."""
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata`, admitting only the classes such a file holds (and torch
-    dtypes): anything else is refused before it is called."""
-
-    def find_class(self, module: str, name: str):
-        import torch
-
-        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise UnsafeCheckpoint(
-            f"refusing to load {module}.{name} from a checkpoint's .metadata: it holds only checkpoint "
-            "metadata, so this file is damaged or crafted to run code; do not use this checkpoint")
-
-
-def read_metadata_safely(path) -> "object":
-    """The `torch.distributed.checkpoint.metadata.Metadata` in file `path` (a `.metadata`)."""
-    with open(path, "rb") as f:
-        return MetadataUnpickler(f).load()
-
 
 def _install_safe_loading() -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -147,7 +106,7 @@ def _install_resolve_data_hook() -> None:
     from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
     owner = "megatron.core.dist_checkpointing.strategies.torch:MCoreSavePlanner"
-    expect_absent("checkpointing", owner, "resolve_data")
+    expect_absent("dist_checkpointing", owner, "resolve_data")
     inherited = MCoreSavePlanner.resolve_data
 
     def resolve_data(self, write_item):
@@ -177,7 +136,6 @@ def install_write_hashing() -> None:
     """Fix 4 (also called in the async writer process, which is spawned fresh)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain.checkpointing.integrity import hashing_open
 
     filesystem_async.open = hashing_open
 
@@ -197,7 +155,7 @@ def unhashed_writes():
 
 
 def apply() -> None:
-    expect_sources("checkpointing", SOURCES)
+    expect_sources("dist_checkpointing", SOURCES)
     _install_resolve_data_hook()
     _install_safe_loading()
     install_write_hashing()
