@@ -2,8 +2,8 @@
 
 Names: a torch_dist key holds ALL layers stacked on a leading axis (and, for experts, all
 experts on a second one), so one key maps to one HF name per layer: `*` in an HF name is
-the layer index, `#` the expert index. Facts behind the transforms (checked numerically,
-see ../shared/notes/megatron-checkpoint-layout.md):
+the layer index, `#` the expert index. Facts behind the transforms (checked numerically: an export's logits equal transformers'
+on the same weights, tests/checkpoints_tools/test_export_hf.py):
   - fused QKV under GQA: rows grouped by query group, each group = its heads/groups query
     heads, then its key head, then its value head; HF keeps q, k, v apart in head order.
     No RoPE permutation: both sides rotate halves (rotary_interleaved=False).

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from checkpoints_tools.common import ToolError, run_cli
+from data_pipeline.checks import BAD_INPUT
 from checkpoints_tools.hf_format import VLLM_CPU_HEAD_SIZES, auto_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -361,7 +362,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for r in refused:
             print(f"error: {r['folder']}: vLLM refused it: {r['error']} (at fault: {r['at_fault']})", file=sys.stderr)
         if refused:
-            return 2
+            return BAD_INPUT
         return 0 if all(r["passed"] for r in report["folders"]) else 1
 
     return run_cli(body)

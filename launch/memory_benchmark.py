@@ -1,6 +1,6 @@
 """Per-rank static memory under ZeRO-1/2/3 at DP1, DP2 and DP4: measured against the planner.
 
-    # tiny-llama in fp32 on CPU (gloo ranks on this machine): the issue-14 table
+    # tiny-llama in fp32 on CPU (gloo ranks on this machine): the README's sharded-DP memory table
     python -m launch.memory_benchmark
     python -m launch.memory_benchmark --dp 2 4 --zero 3 parallel.hsdp_replicas=2   # HSDP
     python -m launch.memory_benchmark --recipe tiny-moe --json runtime.dtype=bf16
@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.checks import BAD_INPUT
 from launch.launchers.local import torchrun_module
 
 KINDS = ("params", "grads", "main_params", "optimizer_states")
@@ -142,9 +143,9 @@ def measure_rank(recipe: str, overrides: list[str], zeros: list[int]) -> list[di
 
 def sharding_overrides(zero: int) -> list[str]:
     """The config keys of a ZeRO stage, as the planner writes them."""
-    from launch.planner.candidate import SHARDING_NAMES
+    from models.layout import SHARDING_LEVELS
 
-    return [f"parallel.sharding={SHARDING_NAMES[zero]}", f"optimizer.distributed={str(zero >= 1).lower()}"]
+    return [f"parallel.sharding={SHARDING_LEVELS[zero]}", f"optimizer.distributed={str(zero >= 1).lower()}"]
 
 
 # --------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         resolve_config(args.recipe, None, overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     rows = benchmark(args.recipe, args.dp, args.zero, overrides)
     if args.json:
         print(json.dumps({"recipe": args.recipe, "overrides": overrides, "rows": rows}, indent=1))

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from data_pipeline.checks import BAD_INPUT
+
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals."""
@@ -112,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                                                     f"logging.log_interval={args.warmup + args.steps}"])
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     try:
         result = profile(config, args.warmup, args.steps, args.trace)
     except ConfigError as exc:  # what only this machine refuses (spec, FP8 recipe)
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     print(f"{result['steps']} steps on {result['device']}: wall {result['wall_s']:.3f} s, busy "
           f"{result['busy_s']:.3f} s ({result['busy_means']}), idle {100 * result['idle_frac']:.2f}% of the window")
     for name, ms in result["top_ops_ms"]:

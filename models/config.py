@@ -11,6 +11,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from models.suggest import did_you_mean
+
 
 class ModelConfig(BaseModel):
     """Architecture of a GPT/Llama-family decoder (dense or MoE).
@@ -196,10 +198,6 @@ def get_flavor(name: str) -> ModelConfig:
     try:
         return FLAVORS[name]
     except KeyError:
-        import difflib
-
-        close = difflib.get_close_matches(name, FLAVORS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"unknown model flavor {name!r}.{hint} Valid flavors: {', '.join(sorted(FLAVORS))}"
+            f"unknown model flavor {name!r}.{did_you_mean(name, FLAVORS, sentence=True)} Valid flavors: {', '.join(sorted(FLAVORS))}"
         ) from None

@@ -7,11 +7,17 @@ ranks share a node's fast links), PP outermost.
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from models.config import ModelConfig, divisors
+
+
+# Data-parallel sharding, the ZeRO ladder; a level's index is its ZeRO stage.
+Sharding = Literal["none", "zero1", "zero2", "zero3"]
+SHARDING_LEVELS: tuple[Sharding, ...] = get_args(Sharding)
+ZERO_STAGES = tuple(range(len(SHARDING_LEVELS)))
 
 
 class LayoutError(ValueError):
@@ -41,7 +47,7 @@ class ParallelLayout(BaseModel):
     # parameters, gradients and optimizer state); "zero1" shards the optimizer state
     # (Megatron's distributed optimizer); "zero2" also the gradients and "zero3" also the
     # parameters (Megatron-FSDP). None = follow optimizer.distributed (zero1 / none).
-    sharding: Optional[Literal["none", "zero1", "zero2", "zero3"]] = None
+    sharding: Optional[Sharding] = None
     # HSDP (zero2/zero3): shard over DP / hsdp_replicas ranks (inside a node) and replicate
     # the shards across hsdp_replicas groups (across nodes). 1 = shard over all of DP.
     hsdp_replicas: int = Field(default=1, gt=0)
@@ -52,8 +58,12 @@ class ParallelLayout(BaseModel):
         return self.sharding in ("zero2", "zero3")
 
     def shard_group_size(self, world_size: int) -> int:
-        """Ranks one copy of the sharded state is spread over: DP (x CP) / hsdp_replicas."""
+        """Ranks one copy of the sharded dense state is spread over: DP (x CP) / hsdp_replicas."""
         return self.data_parallel(world_size) * self.context_parallel // self.hsdp_replicas
+
+    def expert_shard_group_size(self, world_size: int) -> int:
+        """Ranks one copy of the sharded expert state is spread over: expert DP / hsdp_replicas."""
+        return self.expert_data_parallel(world_size) // self.hsdp_replicas
 
     @property
     def model_parallel_size(self) -> int:

@@ -7,7 +7,7 @@ FP8 recipe needs from the GPU and Transformer Engine is `models.precision`'s.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SpecName = Literal["auto", "te", "portable"]
+DtypeName = Literal["fp32", "bf16", "fp16"]
+# Activation recompute: none, the attention core only ("selective"), or whole layers ("full").
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_CHOICES: tuple[Recompute, ...] = get_args(Recompute)
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
 # The FP8 keys besides `fp8` itself; they mean nothing unless `fp8` is set.
 FP8_DETAIL_KEYS = ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
@@ -29,8 +33,8 @@ class RuntimeOptions(BaseModel):
     # Layer spec: "te" (Transformer Engine fused modules, GPU), "portable" (torch-native,
     # CPU or GPU), "auto" (te when Transformer Engine imports and CUDA is present).
     spec: SpecName = "auto"
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    recompute: Literal["none", "selective", "full"] = "none"
+    dtype: DtypeName = "fp32"
+    recompute: Recompute = "none"
     # MoE experts as one grouped GEMM (Transformer Engine's GroupedLinear, te spec only)
     # instead of a loop over experts. None = on with the te spec, off with portable.
     moe_grouped_gemm: Optional[bool] = None

@@ -16,15 +16,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from data_pipeline.checks import BAD_INPUT, print_error
 from models.build import build_model_chunks
-from pretrain.config import (
-    ExperimentConfig,
-    dump_yaml,
-    num_microbatches,
-    validate_for_machine,
-    validate_for_world,
-    validate_inputs,
-)
+from pretrain.config import ExperimentConfig, dump_yaml, num_microbatches, validate_before_start
 from pretrain.data import build_datasets, chunk_iterators
 from pretrain.metrics import (
     MetricsWriter,
@@ -71,9 +65,9 @@ def setup(config: ExperimentConfig) -> Run:
     # nothing to save; checked between phases once the process group exists), not the rank.
     stop = StopRequest(config.checkpoint.exit_after_minutes)
     world_size = world_size_from_env()
-    validate_for_world(config, world_size)  # before any process group exists
-    spec = validate_for_machine(config)  # the spec `auto` resolves to here can run this config
-    validate_inputs(config, prepare_demo=True)  # paths it writes, data it reads
+    # Before any process group: layout and batch, what the spec `auto` resolves to here can
+    # run, the paths the run writes and the data it reads.
+    spec = validate_before_start(config, world_size, prepare_demo=True)
     step_profiler.check_writable(config, read_dist_env().rank)  # before training starts
     resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
     if resume.first is not None:
@@ -255,7 +249,6 @@ def _run_eval(run: Run, step: int) -> None:
 
 def main_train(config: ExperimentConfig) -> int:
     """Set up, train, shut down; returns the process exit code."""
-    from data_pipeline.checks import print_error
     from pretrain.config import ConfigError
     from pretrain.runtime import shutdown
 
@@ -264,7 +257,7 @@ def main_train(config: ExperimentConfig) -> int:
     except (ConfigError, checkpoint.CheckpointError) as exc:
         print_error(exc)
         shutdown()  # the process group, if the error came after it (a damaged checkpoint)
-        return 2
+        return BAD_INPUT
     except StopDuringSetup as exc:
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         info(f"[{config.name}] stopped during setup ({exc}), before step 1: nothing was trained or saved", rank0)

@@ -6,11 +6,11 @@ for these models; `launch.plan` can rank alternatives for a different cluster.
 
 from __future__ import annotations
 
-import difflib
 from typing import Callable
 
 from models.config import get_flavor
 from models.layout import ParallelLayout
+from models.suggest import did_you_mean
 from pretrain.config import (
     CheckpointConfig,
     DataConfig,
@@ -78,7 +78,8 @@ def llama3_70b() -> ExperimentConfig:
 
 
 def gpt3_175b() -> ExperimentConfig:
-    """GPT-3 175B (2k context): TP8 x PP16 as in the Megatron-LM scaling paper, VPP 2."""
+    """GPT-3 175B (2k context): TP8 x PP16 as in the Megatron-LM scaling paper, VPP 3
+    (96 layers = 16 x 3 x 2)."""
     layout = ParallelLayout(tensor_parallel=8, pipeline_parallel=16, virtual_pipeline=3, sequence_parallel=True)
     return _h100_base("gpt3-175b", "gpt3-175b", layout, seq=2048, gbs=1536, lr=6e-5, steps=300_000)
 
@@ -125,7 +126,5 @@ RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
 
 def get_recipe(name: str) -> ExperimentConfig:
     if name not in RECIPES:
-        close = difflib.get_close_matches(name, RECIPES, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown recipe {name!r}.{hint} Valid recipes: {', '.join(RECIPES)}")
+        raise ValueError(f"unknown recipe {name!r}.{did_you_mean(name, RECIPES, sentence=True)} Valid recipes: {', '.join(RECIPES)}")
     return RECIPES[name]()

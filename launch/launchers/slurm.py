@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.checks import BAD_INPUT, writable_dir_problem
 from launch.launchers.sbatch_template import CONFIG_NAME, SCRIPT_NAME, EnvVar, JobSpec, render, sbatch_quote
 from pretrain.cli import resolve_config
 from pretrain.config import ConfigError, ExperimentConfig, dump_yaml, validate_for_world
@@ -262,7 +263,6 @@ RUN_FILES = (SCRIPT_NAME, CONFIG_NAME, "metrics.jsonl", "checkpoints", "tensorbo
 def check_writable(run_dir: Path, checks: Checks) -> None:
     """The run directory is new or empty of any run's files, and can be created. Writes
     nothing (the probe of writable_dir_problem leaves nothing behind)."""
-    from data_pipeline.checks import writable_dir_problem
 
     if (run_dir / SCRIPT_NAME).exists():
         checks.errors.append(f"run directory {run_dir} already holds a {SCRIPT_NAME}: to continue "
@@ -425,7 +425,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.submit and shutil.which("sbatch") is None:
         print("error: sbatch not found: --submit must run where Slurm's commands are (a login "
               "node); or drop --submit and sbatch the written script there", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     try:
         plan = plan_job(args, argv)
         if not args.dry_run:
@@ -436,7 +436,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in str(exc).splitlines():
             print(f"error: {line}", file=sys.stderr)
         print("nothing was written or submitted", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:

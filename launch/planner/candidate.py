@@ -8,27 +8,19 @@ a plan is about exactly the run that `python -m pretrain` would start.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Optional
 
 from models.config import ModelConfig
-from models.layout import ParallelLayout
-from pretrain.config import ExperimentConfig
-
-Recompute = Literal["none", "selective", "full"]
-# Bytes per element of parameters and of stored activations, by training dtype.
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# ZeRO stage <-> the training's `parallel.sharding` value. ZeRO-1 is Megatron's distributed
-# optimizer; ZeRO-2/3 are Megatron-FSDP's `optim_grads` / `optim_grads_params`.
-SHARDING_NAMES = {0: "none", 1: "zero1", 2: "zero2", 3: "zero3"}
+from models.layout import SHARDING_LEVELS, ParallelLayout
+from models.runtime import DTYPES, DtypeName, Recompute
+from pretrain.config import ExperimentConfig, data_parallel_sharding, microbatches
 
 
 def zero_stage(config: ExperimentConfig) -> int:
-    """The ZeRO stage a config trains with: `parallel.sharding`, or when unset
-    `optimizer.distributed` (ZeRO-1 if true, ZeRO-0 if false), as the training reads it."""
-    sharding = config.parallel.sharding
-    if sharding is None:
-        return 1 if config.optimizer.distributed else 0
-    return {name: stage for stage, name in SHARDING_NAMES.items()}[sharding]
+    """The ZeRO stage a config trains with, as the training reads it (`parallel.sharding`, or
+    when unset `optimizer.distributed`): ZeRO-1 is Megatron's distributed optimizer, ZeRO-2/3
+    Megatron-FSDP's `optim_grads` / `optim_grads_params`."""
+    return SHARDING_LEVELS.index(data_parallel_sharding(config))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +31,7 @@ class Candidate:
     micro_batch: int
     global_batch: int
     seq_length: int
-    dtype: str = "bf16"
+    dtype: DtypeName = "bf16"
     fp8: bool = False
     recompute: Recompute = "none"
     # Data-parallel sharding: 0 = none, 1 = optimizer state (Megatron's distributed
@@ -80,7 +72,7 @@ class Candidate:
         """`config` with this candidate's layout, sharding, batch, recompute and optimizer choices."""
         return config.model_copy(update=dict(
             model=self.model,
-            parallel=self.layout.model_copy(update=self._sharding_keys()),
+            parallel=self.sharded_layout,
             schedule=config.schedule.model_copy(update=dict(
                 micro_batch_size=self.micro_batch, global_batch_size=self.global_batch,
                 seq_length=self.seq_length)),
@@ -89,7 +81,13 @@ class Candidate:
         ))
 
     def _sharding_keys(self) -> dict:
-        return {"sharding": SHARDING_NAMES[self.zero], "hsdp_replicas": self.hsdp_replicas}
+        return {"sharding": SHARDING_LEVELS[self.zero], "hsdp_replicas": self.hsdp_replicas}
+
+    @property
+    def sharded_layout(self) -> ParallelLayout:
+        """The training's layout with this candidate's sharding: it answers the sharding
+        questions (FSDP or not, shard group sizes) as the training does."""
+        return self.layout.model_copy(update=self._sharding_keys())
 
     def _optimizer_keys(self) -> dict:
         # ZeRO-0 is the one stage without Megatron's distributed optimizer; set it explicitly
@@ -99,7 +97,7 @@ class Candidate:
     def overrides(self) -> dict:
         """The nested YAML overrides (`pretrain --config FILE`) that select this candidate."""
         return {
-            "parallel": {**self.layout.model_dump(), **self._sharding_keys()},
+            "parallel": self.sharded_layout.model_dump(),
             "schedule": {"micro_batch_size": self.micro_batch, "global_batch_size": self.global_batch,
                          "seq_length": self.seq_length},
             "runtime": {"recompute": self.recompute},
@@ -154,30 +152,32 @@ class Candidate:
     @property
     def fsdp(self) -> bool:
         """ZeRO-2/3 run on Megatron-FSDP (its own buffers, bucketing and collectives)."""
-        return self.zero >= 2
+        return self.sharded_layout.fsdp
 
     @property
     def dense_zero_shard(self) -> int:
         """Ranks over which sharded dense state is split: DP x CP, divided by the HSDP
         replicas (each replica group holds a whole copy)."""
-        return self.dense_shard // self.hsdp_replicas
+        return self.sharded_layout.shard_group_size(self.world_size)
 
     @property
     def expert_zero_shard(self) -> int:
         """Ranks over which sharded expert state is split: expert-DP (MoE has no HSDP)."""
-        return self.expert_shard // self.hsdp_replicas
+        return self.sharded_layout.expert_shard_group_size(self.world_size)
 
     @property
     def num_microbatches(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp)
+        return microbatches(self.global_batch, self.micro_batch, self.dp)
 
     @property
     def act_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        """Bytes per stored activation element: the training dtype's."""
+        return DTYPES[self.dtype].itemsize
 
     @property
     def param_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        """Bytes per parameter element: the training dtype's."""
+        return DTYPES[self.dtype].itemsize
 
     def describe(self) -> str:
         parts = [self.layout.describe(self.world_size), f"mbs{self.micro_batch}"]

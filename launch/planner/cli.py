@@ -21,11 +21,13 @@ import sys
 import json
 from typing import Optional
 
-from data_pipeline.checks import finite_float, fraction, nonnegative_int, positive_int, print_error, writable_dir_problem
+from data_pipeline.checks import BAD_INPUT, finite_float, fraction, nonnegative_int, positive_int, print_error, writable_dir_problem
 from launch.planner.devices import UnknownDeviceError, get_device
 from launch.planner.memory import MemoryOptions
 from launch.planner.search import PlanError, SearchSpace, no_fit_message, rank_layouts
 from launch.planner.throughput import ThroughputOptions
+from models.layout import ZERO_STAGES
+from models.runtime import RECOMPUTE_CHOICES
 from pretrain.config import ConfigError
 
 
@@ -77,9 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=positive_int, help="global batch in sequences (schedule.global_batch_size)")
     p.add_argument("--micro-batch", type=positive_int, nargs="+", default=[1, 2, 4, 8],
                    help="micro batch sizes to try")
-    p.add_argument("--recompute", nargs="+", choices=["none", "selective", "full"],
-                   default=["none", "selective", "full"])
-    p.add_argument("--zero", type=int, nargs="+", choices=[0, 1, 2, 3], default=[0, 1, 2, 3],
+    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE_CHOICES, default=list(RECOMPUTE_CHOICES))
+    p.add_argument("--zero", type=int, nargs="+", choices=ZERO_STAGES, default=list(ZERO_STAGES),
                    help="ZeRO stages to try: 0 none, 1 optimizer state sharded (Megatron's distributed "
                         "optimizer), 2 + gradients, 3 + parameters (Megatron-FSDP); default all")
     p.add_argument("--hsdp", type=int, nargs="+", metavar="REPLICAS",
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(no_fit_message(result, space, memory_options, tput))
     except (PlanError, ConfigError, UnknownDeviceError, ValueError) as exc:
         print_error(exc)
-        return 2
+        return BAD_INPUT
     if args.json:
         # stdout holds the one JSON document; anything else goes to stderr.
         print(json.dumps(plan_json(result, top=args.top, show_dropped=args.show_dropped), indent=1))

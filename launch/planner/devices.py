@@ -16,8 +16,8 @@ Memory is what `torch.cuda.get_device_properties().total_memory` reports (nvidia
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
+from models.suggest import did_you_mean
 from pretrain.metrics import DEVICE_PEAK_TFLOPS
 
 GIB = 2**30
@@ -70,9 +70,7 @@ def get_device(name: str) -> Device:
     if key in DEVICES:
         return DEVICES[key]
     names = sorted([*DEVICES, *ALIASES])
-    close = difflib.get_close_matches(name.lower(), names, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
     raise UnknownDeviceError(
-        f"unknown GPU type {name!r}.{hint} Known: {', '.join(sorted(DEVICES))} "
+        f"unknown GPU type {name!r}.{did_you_mean(name.lower(), names, sentence=True)} Known: {', '.join(sorted(DEVICES))} "
         f"(aliases: {', '.join(f'{a}={t}' for a, t in ALIASES.items())})"
     )

@@ -18,6 +18,8 @@ from launch.planner.devices import Device
 from launch.planner.memory import GIB, MemoryBreakdown, MemoryOptions, peak_memory
 from launch.planner.throughput import StepEstimate, ThroughputOptions, estimate_step
 from models.config import divisors
+from models.layout import ZERO_STAGES
+from models.runtime import RECOMPUTE_CHOICES
 from pretrain.config import ConfigError, ExperimentConfig, validate_for_world
 
 
@@ -35,8 +37,8 @@ class SearchSpace:
     cp: Optional[Sequence[int]] = None
     ep: Optional[Sequence[int]] = None
     micro_batch: Sequence[int] = (1, 2, 4, 8)
-    recompute: Sequence[str] = ("none", "selective", "full")
-    zero: Sequence[int] = (0, 1, 2, 3)
+    recompute: Sequence[str] = RECOMPUTE_CHOICES
+    zero: Sequence[int] = ZERO_STAGES
     # HSDP replica counts to try with ZeRO-2/3 (1 = plain sharding); None = 1 and every
     # divisor of DP above 1.
     hsdp: Optional[Sequence[int]] = None

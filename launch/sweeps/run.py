@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from data_pipeline.checks import print_error
+from data_pipeline.checks import BAD_INPUT, print_error
 from launch.sweeps.results import collect, is_finished
 from launch.sweeps.spec import Point, SweepSpec, SweepSpecError, expand_points, load_spec
 
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         points = expand_points(spec, spec_dir=spec_dir)
     except SweepSpecError as exc:
         print_error(exc)
-        return 2
+        return BAD_INPUT
     if args.dry_run:
         _print_points(spec, points, spec_dir)
         return 0

@@ -27,7 +27,6 @@ its world size before anything runs. Errors name the key.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 import json
 import math
@@ -38,6 +37,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from models.suggest import did_you_mean
 from pretrain.config import ConfigError, ExperimentConfig, apply_overrides, validate_for_world
 from pretrain.recipes import get_recipe
 
@@ -132,8 +132,7 @@ def _check_choice(axis: str, index: int, choice: dict[str, Any]) -> None:
         raise SweepSpecError(f"{where}.tokens: must be a positive number of tokens, got {choice['tokens']!r}")
     for key in choice:
         if key not in SPECIAL_KEYS and "." not in key:
-            close = difflib.get_close_matches(key, SPECIAL_KEYS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, SPECIAL_KEYS)
             raise SweepSpecError(
                 f"{where}: unknown key {key!r}: a choice holds config keys (section.key, e.g. "
                 f"optimizer.lr) or one of {', '.join(SPECIAL_KEYS)}{hint}")
@@ -168,8 +167,7 @@ def _format_errors(path: str, exc: ValidationError) -> str:
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("list[", "dict[")))
         if err["type"] == "extra_forbidden":
             section = SlurmOptions if err["loc"][0] == "slurm" else SweepSpec
-            close = difflib.get_close_matches(str(err["loc"][-1]), list(section.model_fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(section.model_fields)}"
+            hint = did_you_mean(str(err["loc"][-1]), section.model_fields, fallback="keys")
             lines.append(f"unknown key {loc!r}{hint}")
         elif err["type"] == "missing":
             lines.append(f"missing required key {loc!r}")

@@ -63,7 +63,8 @@ def test_our_model_from_imports_matches_transformers(hf_models, tmp_path):
         import_hf(hf_models[kind], tmp_path / kind, layout=layout)
         pairs.append([str(tmp_path / kind), str(hf_models[kind])])
     reports = run_ranks(1, "tests.checkpoints_tools.workers:verify_imports", pairs=pairs)[0]
-    for (checkpoint, _), report in zip(pairs, reports):
+    assert pairs and len(reports) == len(pairs), reports
+    for (checkpoint, _), report in zip(pairs, reports, strict=True):
         assert report["passed"] and report["max_abs_diff"] <= 1e-4, (checkpoint, report)
         assert report["greedy_agreement"] == 1.0
 
@@ -78,8 +79,10 @@ def test_pickled_weights_need_trust(hf_models, tmp_path):
     assert not (tmp_path / "refused").exists()
     import_hf(src, tmp_path / "trusted", trust_pickle=True)
     import_hf(hf_models["llama"], tmp_path / "safe")
-    for a, b in zip(sorted((tmp_path / "trusted").glob("*.distcp")), sorted((tmp_path / "safe").glob("*.distcp"))):
-        assert a.read_bytes() == b.read_bytes()
+    trusted, safe = sorted((tmp_path / "trusted").glob("*.distcp")), sorted((tmp_path / "safe").glob("*.distcp"))
+    assert trusted and [a.name for a in trusted] == [b.name for b in safe], (trusted, safe)
+    for a, b in zip(trusted, safe, strict=True):
+        assert a.read_bytes() == b.read_bytes(), a.name
 
 
 @pytest.mark.distributed

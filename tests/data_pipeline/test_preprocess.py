@@ -25,7 +25,7 @@ def test_round_trip_reproduces_every_documents_ids(tmp_path, corpus, texts, demo
                          append_eod=True, workers=2, chunk_bytes=64 << 10)
     docs = read_documents(str(tmp_path / "kjv"))
     assert len(docs) == len(texts) == summary.total("documents")
-    for text, ids in zip(texts, docs):
+    for text, ids in zip(texts, docs, strict=True):
         assert ids.dtype == np.uint16  # vocab 4000: Megatron's smallest sufficient dtype
         assert ids.tolist() == demo_tokenizer.encode(text) + [demo_tokenizer.eod]
         assert demo_tokenizer.decode(ids[:-1].tolist()) == text

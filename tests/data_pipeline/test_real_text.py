@@ -24,9 +24,9 @@ def test_round_trip_of_the_jargon_file(tmp_path, debian_jargon, which, request):
     docs = read_documents(str(tmp_path / "jargon"))
     assert len(docs) == len(debian_jargon) == summary.total("documents")
     assert docs[0].dtype == (np.int32 if which == "llama3" else np.uint16)
-    for text, ids in zip(debian_jargon, docs):
+    for text, ids in zip(debian_jargon, docs, strict=True):
         assert ids[-1] == tok.eod
         assert ids[:-1].tolist() == tok.encode(text)
     # Exact text round trip where the tokenizer is lossless (tiktoken is byte-level BPE).
     if which == "llama3":
-        assert all(tok.decode(ids[:-1].tolist()) == text for text, ids in zip(debian_jargon, docs))
+        assert all(tok.decode(ids[:-1].tolist()) == text for text, ids in zip(debian_jargon, docs, strict=True))

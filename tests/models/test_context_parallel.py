@@ -57,7 +57,7 @@ def compare_with_full_attention(seq: int, heads: int, groups: int) -> dict:
         out = module(lq, lk, lv, None)
         out.backward(local(upstream))
         errors = {"out": (out - local(ref_out)).abs().max().item()}
-        for name, got, want in zip("qkv", (lq.grad, lk.grad, lv.grad), ref_grads):
+        for name, got, want in zip("qkv", (lq.grad, lk.grad, lv.grad), ref_grads, strict=True):
             errors[f"d{name}"] = (got - local(want)).abs().max().item()
         errors["scale"] = ref_out.abs().max().item()
         assert parallel_state.get_context_parallel_world_size() == cp

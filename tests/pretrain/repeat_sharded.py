@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.compare import relative_differences
 from tests.distributed import RankFailure
 from tests.pretrain.test_sharded_dp import LAYOUTS, OPTIMIZER_KEY, REFERENCE, STEPS, _reference_of, _run, _tensors
 
@@ -30,9 +31,9 @@ ONE_SAVE = [f"checkpoint.save_interval={STEPS}", "checkpoint.async_save=false"]
 def _compare(got: dict, want: dict) -> str | None:
     """None when `got` matches the reference, else what differs."""
     for key in ("loss", "grad_norm"):
-        if len(got[key]) != len(want[key]):
-            return f"{key}: {len(got[key])} steps, want {len(want[key])}"
-        worst = max(abs(g - w) / abs(w) for g, w in zip(got[key], want[key]))
+        if not want[key] or len(got[key]) != len(want[key]):
+            return f"{key}: {len(got[key])} steps, want {len(want[key])} (and at least one)"
+        worst = max(relative_differences(got[key], want[key], what=key))
         if worst > 1e-5:
             return f"{key} off by {worst:.2e} relative"
     final = f"step_{STEPS:08d}"

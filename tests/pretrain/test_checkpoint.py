@@ -14,6 +14,7 @@ import pytest
 from pretrain.checkpointing.format import CheckpointError
 from pretrain.checkpointing.resume import plan_resume
 from pretrain.cli import resolve_config
+from tests.compare import assert_steps_close, assert_steps_equal
 from tests.distributed import REPO, RankFailure, run_ranks
 from tests.pretrain.workers import logged_losses
 
@@ -40,11 +41,10 @@ def test_exact_resume_and_reshard_on_load(tmp_path):
     # Rewinding to step 3 in the same checkpoint.dir: step_6 of the run before is moved aside.
     resume = [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"]
     same = _train(4, tmp_path, "same", TP2PP2 + resume)
-    assert same == full[3:], "same-layout resume must be bitwise identical"
+    assert_steps_equal(same, full[3:], what="same-layout resume loss", start=4)
     for name, nproc, layout in [("TP1xPP1", 1, []), ("TP1xPP2xDP2", 4, ["parallel.pipeline_parallel=2"])]:
         got = _train(nproc, tmp_path, name, layout + resume)
-        for step, (a, b) in enumerate(zip(got, full[3:]), start=4):
-            assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs {b}"
+        assert_steps_close(got, full[3:], rtol=1e-5, what=f"{name} loss", start=4)
 
 
 @pytest.mark.slow
@@ -54,7 +54,7 @@ def test_exact_resume_interleaved_distributed_optimizer_async_save(tmp_path):
     full = _train(2, tmp_path, "full", layout + [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"
     resumed = _train(2, tmp_path, "resumed", layout + [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"])
-    assert resumed == full[3:]
+    assert_steps_equal(resumed, full[3:], what="resumed loss", start=4)
 
 
 @pytest.mark.slow
@@ -64,10 +64,9 @@ def test_async_save_at_dp2_resumes_exactly_and_at_tp2(tmp_path):
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     full = _train(2, tmp_path, "full", [ckpt, "checkpoint.resume=none", "checkpoint.async_save=true"])
     rewind = [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"]
-    assert _train(2, tmp_path, "same", rewind) == full[3:]
+    assert_steps_equal(_train(2, tmp_path, "same", rewind), full[3:], what="DP2 resume loss", start=4)
     got = _train(2, tmp_path, "tp2", ["parallel.tensor_parallel=2", *rewind])
-    for step, (a, b) in enumerate(zip(got, full[3:]), start=4):
-        assert abs(a - b) <= 1e-5 * abs(b), f"TP2 step {step}: {a} vs {b}"
+    assert_steps_close(got, full[3:], rtol=1e-5, what="TP2 loss", start=4)
 
 
 @pytest.mark.parametrize("nproc, recipe, layout", [
@@ -126,7 +125,8 @@ def test_sigterm_saves_exits_zero_and_resume_matches(tmp_path):
 
     resumed = _pretrain(common + [f"logging.run_dir={tmp_path / 'resumed'}"])
     assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
-    assert [m["loss"] for m in _metrics(tmp_path / "resumed")] == reference[stopped:]
+    assert_steps_equal([m["loss"] for m in _metrics(tmp_path / "resumed")], reference[stopped:],
+                       what="loss after the SIGTERM resume", start=stopped + 1)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from models.precision import FP8_RECIPES, probe_machine, recipe_problem, supported_recipes
+from tests.compare import assert_steps_close, assert_steps_equal
 from tests.distributed import REPO, run_ranks
 from tests.pretrain.workers import logged_losses
 
@@ -53,8 +54,7 @@ def _losses(tmp_path, tag, overrides, recipe="tiny-llama", nproc=1, env=None, st
 
 
 def _close(got, want, rel, what):
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        assert abs(a - b) <= rel * abs(b), f"{what} step {step}: {a} vs {b} (tolerance {rel} relative)"
+    assert_steps_close(got, want, rtol=rel, what=what)
 
 
 def test_capability_table_agrees_with_transformer_engine():
@@ -116,7 +116,8 @@ def test_bf16_resume_is_bitwise_with_deterministic_kernels(tmp_path):
         1, "tests.pretrain.workers:train", recipe="tiny-llama", env=DETERMINISTIC,
         overrides=BASE + over + ckpt + ["schedule.train_steps=6", f"logging.run_dir={tmp_path / 'resumed'}",
                                         "checkpoint.resume=3", "checkpoint.on_newer=move_aside"]))
-    assert resumed == full[3:], "BF16 resume on GPU must be bitwise identical with deterministic kernels"
+    # BF16 resume on GPU must be bitwise identical with deterministic kernels.
+    assert_steps_equal(resumed, full[3:], what="BF16 resume loss", start=4)
 
 
 @needs_te

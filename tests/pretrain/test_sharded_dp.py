@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from checkpoints_tools.dcp_io import CheckpointReader
+from tests.compare import assert_steps_close, assert_steps_equal, relative_differences
 from tests.distributed import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -79,17 +80,15 @@ def _tensors(checkpoint, prefix=""):
     return {key: reader.read(key) for key in reader.tensor_keys() if key.startswith(prefix)}
 
 
-def _close(got: list[float], want: list[float], rel: float) -> float:
-    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
-    assert len(got) == len(want) and worst <= rel, (got, want)
-    return worst
+def _close(got: list[float], want: list[float], rel: float, what: str) -> float:
+    return assert_steps_close(got, want, rtol=rel, what=what)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_sharded_layout_matches_one_rank(runs, name):
     got, want = runs[name], runs[f"ref:{_reference_of(name)}"]
-    loss = _close(got["loss"], want["loss"], 1e-5)
-    norm = _close(got["grad_norm"], want["grad_norm"], 1e-5)
+    loss = _close(got["loss"], want["loss"], 1e-5, f"{name} loss")
+    norm = _close(got["grad_norm"], want["grad_norm"], 1e-5, f"{name} grad norm")
     final = f"step_{STEPS:08d}"
     mine = _tensors(got["ckpt"] / final)
     theirs = _tensors(want["ckpt"] / final)
@@ -106,8 +105,8 @@ def test_a_doubled_gradient_would_show(runs, tmp_path):
     losses after it by far more than 1e-5 (Adam is scale-invariant only over many steps)."""
     doubled = _run(tmp_path, "doubled", "tiny-llama", 1, [], double_grad_at_step=3)
     reference = runs["ref:tiny-llama"]
-    assert doubled["loss"][:3] == reference["loss"][:3]
-    moved = max(abs(a - b) / abs(b) for a, b in zip(doubled["loss"][3:], reference["loss"][3:]))
+    assert_steps_equal(doubled["loss"][:3], reference["loss"][:3], what="loss before the doubled gradient")
+    moved = max(relative_differences(doubled["loss"][3:], reference["loss"][3:], what="loss after it"))
     assert moved > 1e-3, moved
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from pretrain.cli import resolve_config
 from pretrain.config import ConfigError, validate_for_machine, validate_for_world
+from tests.compare import assert_steps_close
 from tests.distributed import REPO, run_ranks
 from tests.pretrain.workers import logged_losses
 
@@ -45,10 +46,7 @@ def _run(nproc: int, recipe: str, overrides: list[str], run_dir, **kwargs) -> li
 
 
 def _assert_close(name: str, got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want), f"{name}: {len(got)} steps vs {len(want)}"
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs reference {b}"
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    worst = assert_steps_close(got, want, rtol=1e-5, what=name)
     print(f"\n{name}: {len(got)} steps, max relative difference {worst:.1e}")  # shown with -s
 
 

@@ -1,0 +1,259 @@
+"""Every check of a config across sections and against the world, the machine, the paths and
+the data, each before any process group exists. Set-up calls one function:
+
+    spec = validate_before_start(config, world_size, prepare_demo=True)
+
+which runs, in order: `validate_for_world` (layout, batch arithmetic, sharding, precision
+keys), `validate_for_machine` (resolves `runtime.spec` here and checks what it can run) and
+`validate_inputs` (`validate_paths`: what the run writes; `validate_data`: the tokenizer and
+the data it reads). `--dry-run` and the launchers call the world and input checks alone (a
+dry run on a laptop validates a GPU recipe). Each raises ConfigError with one line naming
+the problem and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from models import precision
+from models.layout import LayoutError, validate_layout
+from pretrain.config.schema import (
+    ConfigError,
+    ExperimentConfig,
+    data_parallel_sharding,
+    demo_prefix,
+    microbatches,
+    sample_counts,
+)
+
+
+def validate_before_start(config: ExperimentConfig, world_size: int, *, prepare_demo: bool = False) -> str:
+    """Everything a training run checks before its process group: world, machine, inputs.
+    Returns the layer spec `runtime.spec` resolves to on this machine."""
+    validate_for_world(config, world_size)
+    spec = validate_for_machine(config)
+    validate_inputs(config, prepare_demo=prepare_demo)
+    return spec
+
+
+def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
+    """Every world-size dependent check, before any process group exists."""
+    try:
+        validate_layout(config.model, config.parallel, world_size)
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    layout, sched = config.parallel, config.schedule
+    dp = layout.data_parallel(world_size)
+    per_step = sched.micro_batch_size * dp
+    if sched.global_batch_size % per_step:
+        valid = [sched.micro_batch_size * dp * k for k in range(1, 5)]
+        raise ConfigError(
+            f"schedule.global_batch_size={sched.global_batch_size} is not divisible by "
+            f"micro_batch_size({sched.micro_batch_size}) x DP({dp}) = {per_step}; "
+            f"valid global batch sizes include {valid}"
+        )
+    count = microbatches(sched.global_batch_size, sched.micro_batch_size, dp)
+    if layout.virtual_pipeline and count % layout.pipeline_parallel:
+        raise ConfigError(
+            f"interleaved 1F1B needs the number of microbatches ({count} = global batch "
+            f"{sched.global_batch_size} / (micro batch {sched.micro_batch_size} x DP {dp})) to be "
+            f"a multiple of PP={layout.pipeline_parallel}; e.g. global_batch_size="
+            f"{per_step * layout.pipeline_parallel * max(1, count // layout.pipeline_parallel)}"
+        )
+    if sched.seq_length > config.model.max_seq_length:
+        raise ConfigError(
+            f"schedule.seq_length={sched.seq_length} exceeds model.max_seq_length="
+            f"{config.model.max_seq_length}"
+        )
+    if layout.context_parallel > 1 and sched.seq_length % (2 * layout.context_parallel):
+        raise ConfigError(
+            f"schedule.seq_length={sched.seq_length} must be divisible by 2 x CP = "
+            f"{2 * layout.context_parallel} (load-balanced context parallel split)"
+        )
+    _check_precision(config)
+    if config.runtime.spec == "portable":
+        check_spec_support(config, "portable")
+    _check_sharding(config)
+    if config.optimizer.min_lr > config.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr={config.optimizer.min_lr} exceeds optimizer.lr={config.optimizer.lr}")
+    data = config.data
+    if sum([bool(data.blend), data.demo, data.mock]) != 1:
+        raise ConfigError("set exactly one data source: data.blend=[[w, prefix], ...], data.demo=true or data.mock=true")
+    if data.blend and not data.tokenizer:
+        raise ConfigError("data.blend needs data.tokenizer (the tokenizer the data was preprocessed with)")
+    ranks = config.profile.ranks
+    if ranks != "all" and any(r >= world_size for r in ranks):
+        raise ConfigError(f"profile.ranks={ranks} names ranks outside the world of {world_size} "
+                          f"(ranks 0..{world_size - 1}); or use profile.ranks=all")
+
+
+def _check_sharding(config: ExperimentConfig) -> None:
+    sharding, opt = data_parallel_sharding(config), config.optimizer
+    if config.parallel.sharding not in (None, "none") and not opt.distributed:
+        raise ConfigError(f"parallel.sharding={sharding} shards the optimizer state, but optimizer.distributed=false "
+                          "asks for an unsharded optimizer; drop optimizer.distributed=false")
+    if opt.cpu_offload and sharding == "none":
+        raise ConfigError("optimizer.cpu_offload needs a sharded optimizer (parallel.sharding=zero1, zero2 or zero3)")
+    if config.parallel.fsdp and config.runtime.dtype == "fp16":
+        raise ConfigError(f"parallel.sharding={sharding} (Megatron-FSDP) is not supported here with fp16 loss "
+                          "scaling; use runtime.dtype=bf16 (or fp32), or parallel.sharding=zero1")
+
+
+def _check_precision(config: ExperimentConfig) -> None:
+    """FP8 and speed options that cannot work on any machine."""
+    problems = precision.config_problems(
+        config.runtime, num_layers=config.model.num_layers, pipeline_parallel=config.parallel.pipeline_parallel,
+        distributed_optimizer=config.optimizer.distributed)
+    opt = config.optimizer
+    if opt.overlap_param_gather and not opt.distributed:
+        problems.append("optimizer.overlap_param_gather=true needs optimizer.distributed=true (it overlaps the "
+                        "distributed optimizer's parameter all-gather)")
+    if config.runtime.fp8_recipe_name == "mxfp8" and config.runtime.fp8_param_gather and opt.overlap_param_gather:
+        problems.append("runtime.fp8_param_gather with fp8_recipe=mxfp8 and optimizer.overlap_param_gather: "
+                        "Megatron-Core 0.16.1 then leaves the parameter copy to the training loop "
+                        "(optimizer.py, reuse_grad_buf_for_mxfp8_param_ag), which this loop does not do; "
+                        "set optimizer.overlap_param_gather=false")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_spec_support(config: ExperimentConfig, spec: str) -> None:
+    """Refuse features the (resolved) layer spec cannot run; the message names the fix."""
+    if spec != "portable":
+        return
+    runtime, layout = config.runtime, config.parallel
+    problems = precision.machine_problems(runtime, spec, precision.MachineFacts())
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if layout.context_parallel > 1 and layout.cp_comm_type not in (None, "allgather"):
+        raise ConfigError(
+            f"parallel.cp_comm_type={layout.cp_comm_type} needs the Transformer Engine spec (runtime.spec=te "
+            "on a GPU with Transformer Engine); the portable spec's context parallelism all-gathers "
+            "keys/values: set parallel.cp_comm_type=allgather or leave it unset"
+        )
+    if runtime.moe_grouped_gemm and config.model.is_moe:
+        raise ConfigError("runtime.moe_grouped_gemm=true needs the Transformer Engine spec (TE's grouped "
+                          "GEMM); set runtime.spec=te on GPU, or runtime.moe_grouped_gemm=false")
+
+
+def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.MachineFacts] = None) -> str:
+    """Resolve runtime.spec on this machine and check the config against it; returns the spec.
+
+    Separate from `validate_for_world` because `auto` depends on the machine (a dry run on a
+    laptop validates a GPU recipe without Transformer Engine). Call before any process group.
+    `facts` (the GPU's compute capability, CUDA, Transformer Engine) default to
+    `models.precision.probe_machine()`; FP8 recipes are checked against them, so "MXFP8 on
+    an H100" fails here, before any model is built.
+    """
+    from models.build import resolve_spec
+
+    facts = facts or precision.probe_machine()
+    try:
+        spec = resolve_spec(config.runtime.spec, facts)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from None
+    check_spec_support(config, spec)
+    problems = precision.machine_problems(config.runtime, spec, facts)
+    opt = config.optimizer
+    if not facts.has_gpu:
+        # Megatron's overlapped paths issue asynchronous coalesced collectives; on gloo those
+        # corrupted the heap now and then (an asynchronous coalesced all-gather crashed with
+        # heap corruption in 2 of 53 runs on CPU, 0 of 25 with coalescing off). GPU (NCCL) only.
+        problems += [f"optimizer.{key}=true needs a GPU (NCCL); remove it on this machine"
+                     for key in ("overlap_grad_reduce", "overlap_param_gather") if getattr(opt, key)]
+        if opt.cpu_offload:
+            problems.append("optimizer.cpu_offload=true moves optimizer state from GPU to host memory "
+                            "(Megatron's HybridDeviceOptimizer: pinned memory, CUDA streams); this machine "
+                            "has no GPU and the state is in host memory already: remove it")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    _check_observability(config, facts.has_gpu)
+    return spec
+
+
+def _check_observability(config: ExperimentConfig, has_gpu: bool) -> None:
+    """Tracker extras installed and CUDA-only profiling on CUDA, at start-up (not at the
+    first log call, hours later)."""
+    import importlib.util
+
+    for key, module in (("mlflow", "mlflow"), ("wandb", "wandb")):
+        if getattr(config.tracking, key) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"tracking.{key}=true needs the {module} package, which is not installed: "
+                              f"pip install 'mcore-stack[{key}]' (or set tracking.{key}=false)")
+    profile = config.profile
+    if not has_gpu:
+        if profile.start_step is not None and profile.mode == "nsys":
+            raise ConfigError("profile.mode=nsys needs CUDA (it brackets the window with cudaProfilerStart/"
+                              "Stop for nsys); on CPU use profile.mode=torch")
+        if profile.memory_snapshot_step is not None:
+            raise ConfigError("profile.memory_snapshot_step needs CUDA (it records the CUDA caching "
+                              "allocator's history); unset it on CPU")
+
+
+def validate_paths(config: ExperimentConfig) -> None:
+    """Every directory the run creates or writes into, checked before any process group:
+    a checkpoint.dir that cannot be written was found at the first save, after training."""
+    from data_pipeline.checks import writable_dir_problem
+
+    run_dir = config.logging.run_dir
+    for key, path in (("logging.run_dir", run_dir), ("checkpoint.dir", config.checkpoint.dir),
+                      ("data.cache_dir", config.data.cache_dir)):
+        problem = writable_dir_problem(path) if path else None
+        if problem:
+            raise ConfigError(f"{key}={path}: {problem}; choose a directory this process can write")
+
+
+def validate_data(config: ExperimentConfig, *, prepare_demo: bool = False):
+    """The data the run reads, before any process group: the tokenizer loads and fits
+    model.vocab_size; blend prefixes exist, are intact and were made with that tokenizer;
+    the schedule does not ask for absurdly more samples than the data holds. With
+    `prepare_demo`, the demo dataset is made first (a dry run checks it only if it exists).
+    Returns the tokenizer."""
+    from data_pipeline.datasets import (
+        DEMO_TOKENIZER,
+        DatasetConfigError,
+        check_blend,
+        check_sample_budget,
+        ensure_demo_dataset,
+    )
+    from data_pipeline.indexed_writer import IndexedDataset
+    from data_pipeline.tokenizers import TokenizerLoadError, load_tokenizer
+
+    data, sched = config.data, config.schedule
+    spec = DEMO_TOKENIZER if data.demo else (data.tokenizer or "byte")
+    try:
+        tokenizer = load_tokenizer(spec)
+    except TokenizerLoadError as exc:
+        raise ConfigError(f"data.tokenizer={spec}: {exc}") from None
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"tokenizer {spec!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{config.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
+    blend = [tuple(item) for item in data.blend] if data.blend else None
+    try:
+        if blend:
+            check_blend(blend, tokenizer)
+    except DatasetConfigError as exc:
+        raise ConfigError(f"data.blend: {exc}") from None
+    if data.demo:
+        prefix = demo_prefix(config)
+        if prepare_demo:
+            ensure_demo_dataset(str(Path(prefix).parent))
+        blend = [(1.0, prefix)] if IndexedDataset.exists(prefix) else None
+        if blend is None:
+            return tokenizer  # a dry run before the first training run: nothing to measure yet
+    try:
+        check_sample_budget(blend=blend, mock=data.mock, split=data.split, seq_length=sched.seq_length,
+                            num_samples=sample_counts(config), vocab_size=tokenizer.vocab_size)
+    except DatasetConfigError as exc:
+        raise ConfigError(f"schedule.train_steps={sched.train_steps} x global_batch_size="
+                          f"{sched.global_batch_size} asks too much of the data: {exc}; lower "
+                          "schedule.train_steps or add data") from None
+    return tokenizer
+
+
+def validate_inputs(config: ExperimentConfig, *, prepare_demo: bool = False) -> None:
+    """Paths and data (`validate_paths`, `validate_data`): what `--dry-run`, launch.local and
+    every rank's setup check before any process group."""
+    validate_paths(config)
+    validate_data(config, prepare_demo=prepare_demo)
