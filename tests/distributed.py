@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+from launch.launchers.local import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,12 +84,6 @@ def _forked_rank(target: str, kwargs_file: str, out: str, log_path: str, env: di
     os.chdir(REPO)
     sys.argv = ["-c", target, kwargs_file, out]
     exec(compile(_BOOT, "<rank>", "exec"), {"__name__": "__rank__"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankFailure(AssertionError):
