@@ -125,6 +125,39 @@ def _source_sizes(blend, mock: bool, vocab_size: int) -> list[tuple[str, float, 
     return sizes
 
 
+def split_documents(split: str, documents: int) -> tuple[int, int, int]:
+    """Documents of a dataset in its (train, validation, test) parts, as Megatron-Core's builder
+    cuts them: cumulative fractions as book-ends, each rounded (Python's round) times the count."""
+    fractions = parse_split(split)
+    ends = [0.0]
+    for f in fractions:
+        ends.append(ends[-1] + f)
+    return tuple(int(round(ends[i + 1] * documents)) - int(round(ends[i] * documents)) for i in range(3))
+
+
+def check_split_documents(*, blend, mock: bool, split: str, vocab_size: int) -> None:
+    """Refuse a split that leaves a part Megatron-Core builds (weight > 0) with no document of
+    some source: its GPTDataset then counts epochs of zero tokens forever (`_get_num_epochs`,
+    megatron-core 0.16.1), at 100% CPU, deaf to SIGTERM."""
+    fractions = parse_split(split)
+    for name, _, documents, _ in _source_sizes(blend, mock, vocab_size):
+        parts = split_documents(split, documents)
+        empty = [i for i in range(3) if fractions[i] > 0 and parts[i] == 0]
+        if not empty:
+            continue
+        need = documents + 1
+        while any(fractions[i] > 0 and not split_documents(split, need)[i] for i in range(3)):
+            need += 1
+        zeroed = [str(p).strip() for p in str(split).split(",")] + ["0"] * (3 - len(str(split).split(",")))
+        for i in empty:
+            zeroed[i] = "0"
+        names = " and ".join(SPLIT_NAMES[i] for i in empty)
+        raise DatasetConfigError(
+            f"split={split} gives the {names} part 0 of the {documents} documents of {name} (Megatron-Core "
+            f"would never finish building it); give that part weight 0 (e.g. split={','.join(zeroed)}) or use "
+            f"at least {need} documents")
+
+
 def check_sample_budget(*, blend, mock: bool, split: str, seq_length: int, num_samples: tuple[int, int, int],
                         vocab_size: int) -> None:
     """Refuse a request for far more samples than the data can give.
@@ -136,6 +169,7 @@ def check_sample_budget(*, blend, mock: bool, split: str, seq_length: int, num_s
     directly (as the builder splits them: weights normalised, +0.5% margin) and refused
     when the indices alone would exceed this machine's memory.
     """
+    check_split_documents(blend=blend, mock=mock, split=split, vocab_size=vocab_size)
     fractions = parse_split(split)
     sources = _source_sizes(blend, mock, vocab_size)
     total_weight = sum(w for _, w, _, _ in sources)

@@ -86,6 +86,21 @@ class ModelConfig(BaseModel):
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}; set kv_channels explicitly or change one of them"
             )
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            # RoPE rotates pairs of channels; Megatron-Core's rotary code fails at the first
+            # forward ("The size of tensor a (15) must match the size of tensor b (16)").
+            heads = self.num_attention_heads
+            near = sorted({max(2, self.head_dim - 1), self.head_dim + 1})
+            raise ValueError(
+                f"position_embedding=rope needs an even head dimension (RoPE rotates pairs of channels), but "
+                f"{'kv_channels' if self.kv_channels else f'hidden_size / num_attention_heads = {self.hidden_size}/{heads}'}"
+                f" = {self.head_dim}; e.g. hidden_size={' or '.join(str(heads * d) for d in near)}, or an even kv_channels"
+            )
+        if self.position_embedding == "rope" and (self.rope_base <= 1 or self.rope_base != int(self.rope_base)):
+            # Megatron-Core takes an integer rotary_base (models.build passes int(rope_base)): a
+            # fraction was cut off silently, and a base <= 1 gave a NaN loss at step 1.
+            raise ValueError(f"rope_base={self.rope_base} must be a whole number above 1 (Megatron-Core's rotary "
+                             "base is an integer; Llama uses 10000 or 500000)")
         if self.rope_scaling_low_freq_factor >= self.rope_scaling_high_freq_factor:
             raise ValueError(
                 f"rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} must be below "
@@ -95,6 +110,16 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
             )
+        if self.num_experts is not None and self.moe_router_topk == 1:
+            # Megatron-Core 0.16.1 accepts top-1 only with a softmax before the top-k
+            # (transformer_config.py, "Please use --moe-router-pre-softmax when topk is 1"), which
+            # weights each token by its router probability, unlike HF Mixtral's renormalised top-k.
+            raise ValueError(f"moe_router_topk=1 is not supported (Megatron-Core needs a pre-softmax router "
+                             f"for it, which HF's Mixtral does not compute); use 2..{self.num_experts}")
+        if self.num_experts is not None and self.moe_shared_expert_hidden_size and self.add_bias_linear:
+            # megatron/core/transformer/moe/shared_experts.py: "bias is not supported in the shared experts".
+            raise ValueError("moe_shared_expert_hidden_size needs add_bias_linear=false (Megatron-Core's shared "
+                             "expert has no biases)")
         moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
                     "moe_shared_expert_hidden_size": self.moe_shared_expert_hidden_size,
                     "moe_capacity_factor": self.moe_capacity_factor,

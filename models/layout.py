@@ -182,8 +182,9 @@ def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: i
     dp_cp = layout.data_parallel(world_size) * layout.context_parallel
     if dp_cp % layout.hsdp_replicas:
         valid = [d for d in divisors(dp_cp) if dp_cp // d > 1]
-        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide DP x CP = {dp_cp}; "
-                          f"valid hsdp_replicas: {', '.join(map(str, valid))}")
+        choices = f"valid hsdp_replicas: {', '.join(map(str, valid))}" if valid else (
+            "with DP x CP < 2 there is nothing to shard: use sharding=none or zero1 (or more ranks)")
+        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide DP x CP = {dp_cp}; {choices}")
     if layout.shard_group_size(world_size) < 2:
         raise LayoutError(
             f"sharding={name} over a shard group of {layout.shard_group_size(world_size)} rank shards nothing "
@@ -205,7 +206,14 @@ def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -
     if not model.is_moe:
         if ep > 1:
             raise LayoutError(f"expert_parallel={ep} needs a MoE model (num_experts is unset)")
+        if layout.expert_tensor_parallel is not None:
+            raise LayoutError(f"expert_tensor_parallel={layout.expert_tensor_parallel} needs a MoE model "
+                              "(num_experts is unset); remove it")
         return
+    if model.add_bias_linear and etp > 1:
+        # transformer_config.py: "Bias in Moe is only supported when ETP==1" (megatron-core 0.16.1).
+        raise LayoutError(f"a MoE model with add_bias_linear=true needs expert TP 1 (got {etp}: expert TP "
+                          "follows tensor_parallel unless set); set expert_tensor_parallel=1, or add_bias_linear=false")
     _check_divides("EP", ep, "num_experts", model.num_experts)
     # Megatron-Core lays the expert grid (expert TP x EP x expert DP x PP) over the same
     # ranks as the dense grid (TP x CP x DP x PP): EP reuses ranks of TP x CP x DP, so

@@ -127,13 +127,19 @@ def apply_overrides(
 
 
 def _format_validation(exc: ValidationError) -> str:
-    """One line per problem, the first one first: `invalid config: KEY: what (got VALUE)`."""
-    lines = []
+    """One line, every problem in it, the first one first: `invalid config: KEY: what (got
+    VALUE); ...`. A check of a whole section (its input is the section) shows no input: it
+    names its own keys, and the section printed in full was ~1,000 characters."""
+    problems = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
         if not loc or (err["type"] == "value_error" and loc in message):  # our checks name their keys
-            lines.append(message)
+            problems.append(message)
+        elif isinstance(value, dict):
+            problems.append(f"{loc}: {message}")
         else:
-            lines.append(f"{loc}: {message} (got {err.get('input')!r})")
-    return "invalid config: " + "\n".join(lines)
+            shown = repr(value)
+            problems.append(f"{loc}: {message} (got {shown if len(shown) <= 80 else shown[:77] + '...'})")
+    return "invalid config: " + "; ".join(problems)

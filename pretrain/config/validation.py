@@ -13,6 +13,7 @@ the problem and the fix.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -71,6 +72,17 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
             f"schedule.seq_length={sched.seq_length} must be divisible by 2 x CP = "
             f"{2 * layout.context_parallel} (load-balanced context parallel split)"
         )
+    if layout.sequence_parallel and (sched.seq_length // layout.context_parallel) % layout.tensor_parallel:
+        # Megatron-Core scatters each CP rank's sequence over the TP ranks ("First dimension of
+        # the tensor should be divisible by tensor parallel size" at the first forward).
+        cp, tp = layout.context_parallel, layout.tensor_parallel
+        step = cp * (math.lcm(2, tp) if cp > 1 else tp)  # CP's load-balanced split halves a CP chunk
+        below = sched.seq_length // step * step
+        valid = ", ".join(str(s) for s in (below, below + step) if s > 0)
+        raise ConfigError(
+            f"schedule.seq_length={sched.seq_length} with parallel.sequence_parallel=true must split over CP "
+            f"({layout.context_parallel}) and then TP ({layout.tensor_parallel}) evenly: use a multiple of {step} "
+            f"(e.g. {valid}), or parallel.sequence_parallel=false")
     _check_precision(config)
     if config.runtime.spec == "portable":
         check_spec_support(config, "portable")
@@ -215,6 +227,7 @@ def validate_data(config: ExperimentConfig, *, prepare_demo: bool = False):
         DatasetConfigError,
         check_blend,
         check_sample_budget,
+        check_split_documents,
         ensure_demo_dataset,
     )
     from data_pipeline.indexed_writer import IndexedDataset
@@ -242,6 +255,10 @@ def validate_data(config: ExperimentConfig, *, prepare_demo: bool = False):
         blend = [(1.0, prefix)] if IndexedDataset.exists(prefix) else None
         if blend is None:
             return tokenizer  # a dry run before the first training run: nothing to measure yet
+    try:
+        check_split_documents(blend=blend, mock=data.mock, split=data.split, vocab_size=tokenizer.vocab_size)
+    except DatasetConfigError as exc:
+        raise ConfigError(f"data.{exc}") from None
     try:
         check_sample_budget(blend=blend, mock=data.mock, split=data.split, seq_length=sched.seq_length,
                             num_samples=sample_counts(config), vocab_size=tokenizer.vocab_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -61,12 +62,79 @@ def test_bad_overrides_are_named(override, message):
     (["schedule.seq_length=512"], 1, "exceeds model.max_seq_length=256"),
     (["data.demo=false"], 1, "set exactly one data source"),
     (["data.demo=false", "data.blend=[[1.0, x]]"], 1, "needs data.tokenizer"),
+    # Megatron-Core's own assertions, refused up front (issue 27: each died at step 1).
+    (["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "schedule.seq_length=127"], 2,
+     "schedule.seq_length=127 with parallel.sequence_parallel=true must split over CP (1) and then TP (2) evenly: "
+     "use a multiple of 2 (e.g. 126, 128)"),
+    (["parallel.tensor_parallel=4", "parallel.context_parallel=2", "parallel.sequence_parallel=true",
+      "model.num_query_groups=4", "schedule.seq_length=12"], 8, "use a multiple of 8 (e.g. 8, 16)"),
 ])
 def test_world_dependent_validation(overrides, world, message):
     config = apply_overrides(get_recipe("tiny-llama"), overrides=overrides)
     with pytest.raises(ConfigError) as err:
         validate_for_world(config, world)
     assert message in str(err.value)
+
+
+def test_rope_needs_an_even_head_dimension():
+    """hidden 120 over 8 heads (head dim 15) with RoPE died in Megatron-Core's rotary code."""
+    with pytest.raises(ConfigError, match=r"needs an even head dimension .* = 120/8 = 15; e.g. hidden_size=112 or 128"):
+        apply_overrides(get_recipe("tiny-llama"), overrides=["model.hidden_size=120"])
+    # Learned absolute positions rotate nothing: an odd head dimension is fine there.
+    apply_overrides(get_recipe("tiny-llama"), overrides=["model=tiny-gpt", "model.hidden_size=60"])
+
+
+@pytest.mark.parametrize("recipe, overrides, world, message", [
+    # Megatron-Core assertions at model build (transformer_config.py, moe/shared_experts.py).
+    ("tiny-moe", ["model.moe_router_topk=1"], 1, "moe_router_topk=1 is not supported"),
+    ("tiny-moe", ["model.moe_shared_expert_hidden_size=128", "model.add_bias_linear=true"], 1,
+     "moe_shared_expert_hidden_size needs add_bias_linear=false"),
+    ("tiny-moe", ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "model.add_bias_linear=true"], 2,
+     "needs expert TP 1 (got 2"),
+    ("tiny-llama", ["parallel.expert_tensor_parallel=1"], 2, "expert_tensor_parallel=1 needs a MoE model"),
+    ("tiny-llama", ["model.rope_base=10000.5"], 1, "rope_base=10000.5 must be a whole number above 1"),
+    ("tiny-llama", ["model.rope_base=1"], 1, "rope_base=1.0 must be a whole number above 1"),
+])
+def test_megatron_model_assertions_are_validation_rules(recipe, overrides, world, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_for_world(apply_overrides(get_recipe(recipe), overrides=overrides), world)
+
+
+def test_a_whole_section_refusal_is_one_short_line():
+    """A model-level check printed the whole model section (~1,000 characters) as its input."""
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(get_recipe("tiny-llama"), overrides=["model.num_query_groups=3"])
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 200 and "num_query_groups=3 must divide" in message, message
+
+
+@pytest.fixture(scope="module")
+def kjv_prefixes(tmp_path_factory):
+    """Indexed datasets of the first 500 and 501 documents of the shipped demo corpus."""
+    from tests.pretrain.config_fuzz import make_datasets
+
+    return make_datasets(tmp_path_factory.mktemp("kjv"), sizes=(500, 501))
+
+
+def test_a_split_part_without_documents_is_refused_before_any_work(kjv_prefixes, tmp_path):
+    """Split 969,30,1 of 500 documents leaves the test part none: Megatron-Core's GPTDataset
+    counted epochs of zero tokens forever (issue 27). 501 documents give it one."""
+    from pretrain.config import validate_inputs
+    from data_pipeline.datasets import DEMO_TOKENIZER
+
+    common = ["data.demo=false", f"data.tokenizer={DEMO_TOKENIZER}", f"logging.run_dir={tmp_path}",
+              "schedule.train_steps=2"]
+    config = apply_overrides(get_recipe("tiny-llama"), overrides=common + [f"data.blend=[[1.0, {kjv_prefixes[500]}]]"])
+    with pytest.raises(ConfigError, match=r"^data.split=969,30,1 gives the test part 0 of the 500 documents of .*"
+                                          r"give that part weight 0 \(e.g. split=969,30,0\) or use at least 501 documents"):
+        validate_inputs(config)
+    validate_inputs(config.model_copy(update={"data": config.data.model_copy(update={"split": "969,30,0"})}))
+    validate_inputs(apply_overrides(get_recipe("tiny-llama"), overrides=common + [
+        f"data.blend=[[1.0, {kjv_prefixes[501]}]]"]))
+    refused = _cli("--recipe", "tiny-llama", "--dry-run", "--world-size", "1", *common,
+                   f"data.blend=[[1.0, {kjv_prefixes[500]}]]")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: data.split=969,30,1 gives the test part 0")
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
