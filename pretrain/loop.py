@@ -62,20 +62,38 @@ class Run:
 
 def setup(config: ExperimentConfig) -> Run:
     # Handlers first: a SIGTERM/USR1 during setup ends it (StopDuringSetup: nothing trained,
-    # nothing to save; checked between phases once the process group exists), not the rank.
+    # nothing to save; checked between phases once the process group exists, and at once in
+    # the long steps, `stop.interruptible`), not the rank.
     stop = StopRequest(config.checkpoint.exit_after_minutes)
     world_size = world_size_from_env()
     # Before any process group: layout and batch, what the spec `auto` resolves to here can
     # run, the paths the run writes and the data it reads.
     spec = validate_before_start(config, world_size, prepare_demo=True)
-    step_profiler.check_writable(config, read_dist_env().rank)  # before training starts
+    rank = read_dist_env().rank
+    step_profiler.check_writable(config, rank)  # before training starts
     resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
     if resume.first is not None:
         checkpoint.check_compatible(resume.first, config)
+    # The hang watchdog covers set-up too (a rendezvous or a dataset build that never ends).
+    watchdog = Watchdog(config.watchdog, config.logging.run_dir, rank)
+    watchdog.begin_setup()
+    try:
+        return _setup_distributed(config, world_size, spec, resume, stop, watchdog)
+    except BaseException:
+        watchdog.stop()
+        raise
+
+
+def _setup_distributed(config: ExperimentConfig, world_size: int, spec: str, resume, stop: StopRequest,
+                       watchdog: Watchdog) -> Run:
+    """Set-up from the process group on: model, wrapping, resume, datasets, observers."""
+    watchdog.setup_phase("process group (rendezvous)")
     enable_flight_recorder(config.watchdog)  # read when the process groups are created
     env = init_distributed(config.parallel, seed=config.runtime.seed)
     stop.check_setup()
-    resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
+    watchdog.setup_phase("checkpoint checksums")
+    with stop.interruptible():
+        resume_from = settle(resume, config, lambda m: info(m, env.rank == 0))  # checksums; fallback
     if resume_from is not None and resume_from != resume.first:
         checkpoint.check_compatible(resume_from, config)
     resume_meta = CheckpointMeta.read(resume_from) if resume_from is not None else None
@@ -87,17 +105,23 @@ def setup(config: ExperimentConfig) -> Run:
     info(f"[{config.name}] world {world_size} = {config.parallel.describe(world_size)} "
          f"({env.source}, {'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}), run dir {run_dir}",
          env.rank == 0)
+    watchdog.setup_phase("building the model")
     chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}))
     state = wrap_for_training(chunks, config)
     stop.check_setup()
     start_step = 0
     if resume_from is not None:
-        start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0))
+        watchdog.setup_phase(f"loading {resume_from}")
+        with stop.interruptible():
+            start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0))
         if config.runtime.inject_hang_step is not None:  # test-only: a requeued job gets past it
             config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"inject_hang_step": None})})
         stop.check_setup()
-    datasets = build_datasets(config, world_size)
+    watchdog.setup_phase("datasets (Megatron's index caches)")
+    with stop.interruptible():
+        datasets = build_datasets(config, world_size)
     stop.check_setup()
+    watchdog.setup_phase("trackers, profiler, first batch")
     stop.training_started()
     peak = detect_device_peak(config.logging.device_peak, config.runtime.dtype, bool(config.runtime.fp8))
     sched = config.schedule
@@ -111,7 +135,7 @@ def setup(config: ExperimentConfig) -> Run:
         throughput=Throughput(config.model, sched.seq_length, sched.global_batch_size, world_size, peak),
         log_rank=log_rank,
         stop=stop,
-        watchdog=Watchdog(config.watchdog, config.logging.run_dir, env.rank),
+        watchdog=watchdog,
         start_step=start_step,
         profiler=step_profiler.build(config, env.rank, timers, start_step, info),
         stragglers=(StragglerReport(config.logging.straggler_interval, timers, _pipeline_rank(), start_step)

@@ -11,6 +11,7 @@ same order, so all ranks stop together when any of them was signalled.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from typing import Optional
@@ -37,6 +38,23 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
         if self._setting_up and not dist.is_initialized():
             raise StopDuringSetup(f"signal {self.signal_name}")
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """A long set-up step (checksums, checkpoint loading, dataset indices): a stop signal
+        ends the process at once, with the signal's default action. Those steps run C++
+        (Megatron's index helpers, torch's readers) and collectives, where a Python handler
+        would run only after they return: minutes, or never (a rank waiting in a barrier for
+        a peer that spins). Nothing is trained yet, so there is nothing to save."""
+        if not self._setting_up or not dist.is_initialized():
+            yield  # before the process group the handler already raises at once
+            return
+        previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def check_setup(self) -> None:
         """Between setup phases (a collective once the process group exists): end setup

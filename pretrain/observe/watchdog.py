@@ -102,6 +102,16 @@ class Watchdog:
 
     # ---- called by the training thread (cheap: attribute stores)
 
+    def begin_setup(self) -> None:
+        """Watch set-up from here (rendezvous, checksums, checkpoint loading, dataset indices):
+        all of it within watchdog.startup_timeout_s. Starts the thread."""
+        self._phase, self._since, self._watched = "set-up", time.monotonic(), True
+        self.start()
+
+    def setup_phase(self, name: str) -> None:
+        """Name the set-up step now running (for the report); the set-up clock runs on."""
+        self._phase = f"set-up: {name}"
+
     def begin_step(self, step: int) -> None:
         self._step, self._phase, self._since, self._watched = step, "train step", time.monotonic(), True
 
@@ -125,7 +135,7 @@ class Watchdog:
     def timeout(self) -> tuple[float, str]:
         """The timeout now, and where it comes from."""
         if not self._durations:
-            return self.cfg.startup_timeout_s, "watchdog.startup_timeout_s (the run's first step)"
+            return self.cfg.startup_timeout_s, "watchdog.startup_timeout_s (set-up and the run's first step)"
         if self.cfg.timeout_s is not None:
             return self.cfg.timeout_s, "watchdog.timeout_s"
         durations = list(self._durations)

@@ -112,3 +112,20 @@ def test_hang_on_one_of_two_ranks_ends_the_job_with_stacks_and_exit_75(tmp_path)
     if 0 in reports:
         assert "in _agree" in reports[0] and "all_reduce" in reports[0].split("Python stacks")[0]
     print(timing + f"; ranks that dumped stacks: {sorted(reports)}")
+
+
+@pytest.mark.distributed
+def test_a_setup_step_that_never_ends_is_ended_by_the_startup_timeout(tmp_path):
+    """The watchdog is armed from the start of set-up: a dataset build that never ends (rank 0
+    spins, rank 1 waits in a barrier) ends with exit 75 and a report naming the set-up step."""
+    from tests.distributed import RankFailure, run_ranks
+
+    run_dir = tmp_path / "run"
+    overrides = ["data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
+                 "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "schedule.seq_length=64",
+                 "schedule.eval_interval=0", "watchdog.startup_timeout_s=20", f"logging.run_dir={run_dir}"]
+    with pytest.raises(RankFailure, match=f"exited with {EXIT_HANG}"):
+        run_ranks(2, "tests.pretrain.workers:stuck_in_dataset_build", overrides=overrides, timeout=240)
+    reports = [p.read_text() for p in hang_reports(str(run_dir))]
+    assert reports and all("phase: set-up: datasets" in r for r in reports), reports
+    assert "watchdog.startup_timeout_s (set-up and the run's first step)" in reports[0]

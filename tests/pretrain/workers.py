@@ -167,3 +167,30 @@ def stop_during_setup(overrides: list[str], signal_rank: int, at: str) -> dict:
     loop.train = train
     code = loop.main_train(resolve_config("tiny-llama", None, overrides))
     return {"code": code, "trained": bool(trained)}
+
+
+def stuck_in_dataset_build(overrides: list[str], signal_after_s: float | None = None) -> dict:
+    """Run main_train with a dataset build that never ends: rank 0 spins in Python (as
+    Megatron-Core's `_get_num_epochs` did on an empty split), the others wait for it in a
+    barrier (as for Megatron's index cache). With `signal_after_s`, each rank sends itself
+    SIGTERM that long after the build started (as torchrun or Slurm would)."""
+    import os
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    from pretrain import loop
+    from pretrain.cli import resolve_config
+
+    rank = int(os.environ.get("RANK", "0"))
+
+    def build(*args, **kwargs):
+        if signal_after_s is not None:
+            threading.Timer(signal_after_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        while rank == 0:
+            pass
+        dist.barrier()
+
+    loop.build_datasets = build
+    return {"code": loop.main_train(resolve_config("tiny-llama", None, overrides))}
