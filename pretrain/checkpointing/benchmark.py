@@ -88,9 +88,9 @@ def _saver(run, root: Path, async_save: bool):
 def _hashing_cost(run, scratch: Path, hashed_first: bool) -> dict:
     """dist_checkpointing's own save of the same state, with and without the shards hashed as
     they are written (pretrain.checkpointing.integrity): the cost of the checksums on save.
-    The two saves alternate their order from repeat to repeat: on a shared machine the disk's
-    speed drifts from one save to the next (1.58 GB with fsync: 0.3 to 1.2 GB/s within a
-    minute here), and the second of two back-to-back saves was the slower whichever it was.
+    The two saves alternate their order from repeat to repeat, each after os.sync(): the second
+    of two back-to-back saves was the slower whichever it was, to disk and to tmpfs alike (and
+    the disk's speed drifts: 1.58 GB with fsync at 0.3 to 1.2 GB/s within a minute here).
     `hash_compute_s` is the hashing alone: xxh3 over the bytes of every tensor this rank
     writes, in memory (what the hashed writer adds, less torch.save's few headers)."""
     from megatron.core import dist_checkpointing
