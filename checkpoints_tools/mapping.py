@@ -341,7 +341,8 @@ def unpad_vocab(rows: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor]:
 
 
 def pad_vocab(rows: torch.Tensor, model: ModelConfig) -> torch.Tensor:
-    """Zero rows up to the padded size (never looked up; their logits start at 0)."""
+    """Zero rows up to the padded size (never looked up; their logits are masked to -inf:
+    models/padded_vocab.py)."""
     extra = model.padded_vocab_size - rows.shape[0]
     return torch.cat([rows, rows.new_zeros(extra, *rows.shape[1:])]) if extra else rows
 

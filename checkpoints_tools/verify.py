@@ -42,7 +42,7 @@ def _single_process_env() -> None:
 
 def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[ParallelLayout] = None,
                  seed: int = 0) -> Optional[torch.Tensor]:
-    """Full-vocabulary fp32 logits [batch, seq, padded vocab] of our model loaded from
+    """fp32 logits [batch, seq, vocab] of our model loaded from
     `checkpoint` at `layout` (default TP1 in this process); None on ranks other than the
     last pipeline stage's first tensor-parallel rank. Starts Megatron's parallel state
     (under torchrun / run_ranks for layouts over several ranks)."""
@@ -57,12 +57,14 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
     init_distributed(layout, seed=seed)
     chunks = build_model_chunks(model, layout, RuntimeOptions(seed=seed, spec="auto"))
     load_model_weights(checkpoint, chunks)
-    return forward_logits(chunks, tokens, layout)
+    return forward_logits(chunks, tokens, layout, vocab_size=model.vocab_size)
 
 
-def forward_logits(chunks: list, tokens: torch.Tensor, layout: ParallelLayout) -> Optional[torch.Tensor]:
+def forward_logits(chunks: list, tokens: torch.Tensor, layout: ParallelLayout,
+                   vocab_size: Optional[int] = None) -> Optional[torch.Tensor]:
     """Run one batch through this rank's model chunks with Megatron's (pipeline) schedule;
-    the vocab-parallel logits are gathered over TP on the last stage."""
+    the vocab-parallel logits are gathered over TP on the last stage. `vocab_size` cuts off
+    the padded ids' columns (-inf: models/padded_vocab.py)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -93,7 +95,7 @@ def forward_logits(chunks: list, tokens: torch.Tensor, layout: ParallelLayout) -
     if not (last and parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0):
         return None
-    return outputs[0]
+    return outputs[0] if vocab_size is None else outputs[0][..., :vocab_size]
 
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:

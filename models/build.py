@@ -39,6 +39,7 @@ from models.context_parallel import ContextParallelAttention
 from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
 from models.moe import with_layout_invariant_router
+from models.padded_vocab import mask_padded_logits
 from models.precision import MachineFacts, fp8_transformer_kwargs, probe_machine
 from models.runtime import RuntimeOptions, SpecName
 from models.portable import PortableNorm
@@ -238,6 +239,7 @@ def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: Runt
             # not use); in fp32 they would turn bf16 hidden states into fp32 ones.
             gpt.embedding.position_embeddings.to(dtype=params_dtype)
         gpt.to(device)
+        mask_padded_logits(gpt, model)  # padded vocab ids: -inf logits (models/padded_vocab.py)
         if model.is_moe:
             _mark_expert_params(gpt)
         chunks.append(gpt)

@@ -59,7 +59,7 @@ def peak_memory_gb() -> float:
 class StepMetrics:
     step: int
     loss: float
-    lr: float
+    lr: float  # the learning rate this step's update used (the scheduler's value before it stepped)
     grad_norm: Optional[float]
     step_time_s: float
     tokens_per_s: float

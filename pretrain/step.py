@@ -206,6 +206,8 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
         injected_hang(step, runtime.inject_hang_seconds)
     fp16 = config.runtime.dtype == "fp16"
     loss, grads_bad = _agree(losses, grads_bad=not fp16 and _local_grads_bad(state))
+    # The LR this step's update uses (or would have used): read before the scheduler steps
+    # to the next step's value, so metrics.jsonl's lr at step k is step k's.
     lr = state.optimizer.param_groups[0]["lr"]
     if grads_bad or not math.isfinite(loss):
         fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
@@ -220,7 +222,6 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
         timers("optimizer").stop()
     if update_ok:
         state.scheduler.step(increment=1)
-    lr = state.optimizer.param_groups[0]["lr"]
     grad_norm = float(grad_norm) if grad_norm is not None else None
     fetch = sum(it.take_fetch_time() for it in iterators if it is not None)
     return StepResult(loss, grad_norm, lr, not update_ok, time.perf_counter() - start - fetch,

@@ -29,7 +29,14 @@ from typing import Callable, Optional
 
 from pretrain.checkpointing.metadata import UnsafeCheckpoint, read_metadata_safely
 
+# The format-version policy (README, "Checkpoint format versions"): a change that alters what
+# a checkpoint holds or how it is read raises FORMAT_VERSION and adds a fixture
+# (tests/pretrain/fixtures/checkpoint_v<N>). This code resumes every version from
+# OLDEST_READABLE on, bitwise; an older one is refused with the command that converts it,
+# which CONVERSIONS must name for every version below OLDEST_READABLE.
 FORMAT_VERSION = 1
+OLDEST_READABLE = 1
+CONVERSIONS: dict[int, str] = {}  # format version -> the command that converts it to a readable one
 COMPLETE = "COMPLETE"
 META = "meta.json"
 CONFIG = "config.yaml"
@@ -100,9 +107,14 @@ class CheckpointMeta:
         if not isinstance(data, dict) or missing:
             raise CheckpointError(f"{path} lacks {', '.join(sorted(missing)) or 'a JSON object'}; "
                                   "the checkpoint is damaged: use an earlier step")
-        if data.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
-            raise CheckpointError(f"{path} has format version {data['format_version']}, newer than this "
+        version = data.get("format_version", FORMAT_VERSION)
+        if version > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format version {version}, newer than this "
                                   f"code reads ({FORMAT_VERSION}); update the code")
+        if version < OLDEST_READABLE:
+            raise CheckpointError(f"{path} has format version {version}; this code reads versions "
+                                  f"{OLDEST_READABLE}-{FORMAT_VERSION}: convert it first with "
+                                  f"{CONVERSIONS.get(version, '(no conversion known: use the code that wrote it)')}")
         data.setdefault("consumed_samples", 0)
         return cls(**{k: v for k, v in data.items() if k in fields})
 

@@ -54,7 +54,7 @@ def train_jobs(jobs: list[dict], rendezvous: str) -> list[dict]:
         try:
             history = train_loop(run, run.start_step)
             logits = forward_logits([c.module for c in run.state.model], tokens(config.model.vocab_size),
-                                    config.parallel)
+                                    config.parallel, vocab_size=config.model.vocab_size)
             results.append({"losses": [m.loss for m in history] if run.log_rank else None,
                             "logits": logits.tolist() if logits is not None else None})
         finally:
@@ -106,3 +106,27 @@ def verify_imports(pairs: list[list[str]]) -> list[dict]:
     from checkpoints_tools.verify import verify
 
     return [verify(checkpoint, hf_dir) for checkpoint, hf_dir in pairs]
+
+
+def first_step_and_batch(recipe: str, config_file: str, overrides: list[str]) -> dict | None:
+    """Train one step from `checkpoint.resume`; on the logging rank, its loss and the step's
+    global batch (tokens, labels, loss mask, positions), read as the trainer reads it."""
+    from pretrain.cli import resolve_config
+    from pretrain.data import chunk_iterators
+    from pretrain.loop import setup, train as train_loop
+    from pretrain.runtime import shutdown
+
+    run = setup(resolve_config(recipe, config_file, overrides))
+    try:
+        # DP1: this rank's stream is the whole global batch of step 1.
+        assert run.start_step == 0 and run.config.parallel.data_parallel(run.world_size) == 1
+        stream = chunk_iterators(run.datasets.train, run.config, 0, run.config.schedule.global_batch_size)[0]
+        batch = [next(stream) for _ in range(run.num_microbatches)]
+        history = train_loop(run, run.start_step)
+        if not run.log_rank:
+            return None
+        return {"loss": history[0].loss,
+                **{key: [mb[key].tolist() for mb in batch] for key in ("tokens", "labels", "loss_mask", "position_ids")}}
+    finally:
+        run.writer.close()
+        shutdown()
