@@ -156,8 +156,9 @@ class GigatokenEncoder:
         except BaseException as err:  # a Rust panic arrives as pyo3's PanicException(BaseException)
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
+            first_line = (str(err).strip().splitlines() or [""])[0]  # Rust adds its source location
             raise EncoderUnavailable(f"gigatoken failed to load {reference.spec!r}: "
-                                     f"{type(err).__name__}: {err}") from None
+                                     f"{type(err).__name__}: {first_line}") from None
 
     def encode_array(self, text: str) -> np.ndarray:
         return self.encode_documents([text])[0]
