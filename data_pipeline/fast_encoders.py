@@ -58,7 +58,7 @@ PROBE_TEXTS = (
 )
 CACHE_DIR = os.environ.get("GIGATOKEN_JSON_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "mcore-stack", "gigatoken"))
-SAMPLE_BYTES = 1 << 20  # of the input, compared too (the first chunk of the first input)
+SAMPLE_BYTES = 1 << 18  # of the input, compared too (the first chunk of the first input)
 
 
 class EncoderUnavailable(TokenizerLoadError):

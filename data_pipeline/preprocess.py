@@ -195,7 +195,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         todo.append((index, job, request))
 
     if todo:
-        # Compared on the first input's first MiB too; logged, since it decides the speed.
+        # Compared on the first input's first 256 KiB too; logged, since it decides the speed.
         encoding, why = choose_encoder(tok, encoder, input_sample(todo[0][1].sources, text_field))
         console.print(why)
         config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--append-eod", action="store_true", help="end every document with EOD")
     parser.add_argument("--encoder", choices=("auto", "reference", "gigatoken"), default="auto",
                         help="auto (default): gigatoken where it gives the reference tokenizer's ids "
-                             "(checked on probe strings and the input's first MiB), else the reference")
+                             "(checked on probe strings and the input's first 256 KiB), else the reference")
     parser.add_argument("--workers", "-j", type=nonnegative_int, default=None,
                         help="tokenising processes, one CPU core each, with either encoder (default: "
                              "one per CPU; 0: tokenise in the main process)")

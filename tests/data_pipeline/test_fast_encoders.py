@@ -171,3 +171,14 @@ def test_preprocess_output_is_byte_identical_with_either_encoder(which, jargon_d
         assert dict(summary.skipped) == {"empty document": 1, "invalid UTF-8": 1, "malformed JSON": 1}
         outputs[encoder] = [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")]
     assert outputs["gigatoken"] == outputs["reference"] == outputs["auto"]
+
+
+def test_spawned_workers_get_the_same_encoder(mistral_model, jargon_docs):
+    """Spawned workers unpickle it (forked ones inherit it): rebuilt from the converted
+    tokenizer.json, same ids."""
+    import pickle
+
+    tok = load_tokenizer(mistral_model)
+    copy = pickle.loads(pickle.dumps(GigatokenEncoder(tok)))
+    assert isinstance(copy, GigatokenEncoder) and copy.reference.spec == tok.spec
+    assert_same_ids(tok, copy, jargon_docs[:100])
