@@ -5,6 +5,14 @@ start in milliseconds with the already-loaded tokenizer (as Megatron-LM's own
 preprocessing pool does). Elsewhere they are spawned and load the tokenizer from
 its spec (~0.5 s). Either way they die with their parent, so a SIGKILLed
 preprocess leaves no orphan burning CPU.
+
+Worker model: `--workers N` is N processes, each encoding on one thread, with
+either encoder. gigatoken could instead spread one process's batches over Rust
+threads, but the JSON parsing and the checks of every record are Python and
+would stay on one core in that process; as processes they scale with the rest.
+gigatoken is called with parallel=False, so its thread pool never starts (and a
+fork cannot inherit a pool without its threads). The benchmark measures both
+(t2:gigatoken against a2:gigatoken; README).
 """
 
 from __future__ import annotations
