@@ -97,6 +97,17 @@ class Tokenizer(ABC):
         """`encode` as a NumPy integer array; overridden where the library returns arrays."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
+    def encode_documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Every text's ids end to end, and each text's count (the preprocess workers' call;
+        fast_encoders.GigatokenEncoder has the same)."""
+        arrays = [self.encode_array(text) for text in texts]
+        lengths = np.array([len(ids) for ids in arrays], dtype=np.int64)
+        return (np.concatenate(arrays) if arrays else np.empty(0, np.int64)), lengths
+
+    def pieces(self, text: str) -> list[str]:
+        """The parts the reference encodes one by one (their ids end to end are the text's)."""
+        return [text]
+
     @property
     def eos(self) -> int | None:
         return self.eod
@@ -295,10 +306,12 @@ class TiktokenTokenizer(Tokenizer):
     def pad_id(self) -> int | None:
         return self._specials["<|finetune_right_pad_id|>"]
 
-    def _pieces(self, text: str):
+    def pieces(self, text: str) -> list[str]:
         if len(text) <= _TIKTOKEN_MAX_RUN:  # the common case costs one len()
-            yield text
-            return
+            return [text]
+        return list(self._cut(text))
+
+    def _cut(self, text: str):
         for start in range(0, len(text), _TIKTOKEN_MAX_CHARS):
             block = text[start:start + _TIKTOKEN_MAX_CHARS]
             if not _may_have_long_run(block):
@@ -317,7 +330,7 @@ class TiktokenTokenizer(Tokenizer):
     def encode_array(self, text: str) -> np.ndarray:
         # Special-token strings inside documents are encoded as plain text, never as control ids.
         arrays = [self._enc.encode_to_numpy(piece, allowed_special=set(), disallowed_special=())
-                  for piece in self._pieces(text)]
+                  for piece in self.pieces(text)]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
     def decode(self, ids) -> str:

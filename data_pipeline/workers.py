@@ -5,6 +5,14 @@ start in milliseconds with the already-loaded tokenizer (as Megatron-LM's own
 preprocessing pool does). Elsewhere they are spawned and load the tokenizer from
 its spec (~0.5 s). Either way they die with their parent, so a SIGKILLed
 preprocess leaves no orphan burning CPU.
+
+Worker model: `--workers N` is N processes, each encoding on one thread, with
+either encoder. gigatoken could instead spread one process's batches over Rust
+threads, but the JSON parsing and the checks of every record are Python and
+would stay on one core in that process; as processes they scale with the rest.
+gigatoken is called with parallel=False, so its thread pool never starts (and a
+fork cannot inherit a pool without its threads). The benchmark measures both
+(t2:gigatoken against a2:gigatoken; README).
 """
 
 from __future__ import annotations
@@ -54,10 +62,11 @@ def too_long(size: int, limit: int) -> str:
 
 
 def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult:
-    """Documents of one chunk as one token array plus per-document lengths."""
+    """Documents of one chunk as one token array plus per-document lengths. `tokenizer`
+    is a data_pipeline.tokenizers Tokenizer or a fast_encoders.GigatokenEncoder: one
+    `encode_documents` call per chunk, so a Rust encoder is entered once per ~1 MiB."""
     result = ChunkResult(chunk.seq, chunk.source, chunk.disk_bytes)
-    arrays, lengths, text_bytes = [], [], 0
-    eod = None if config.append_eod is None else np.array([config.append_eod], dtype=np.int64)
+    texts, numbers, text_bytes = [], [], 0
     for number, text in iter_records(chunk, config.text_field):
         try:
             if isinstance(text, BadRecord):
@@ -71,23 +80,33 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
             if not config.skip_bad_records:
                 break  # the run stops at this record; the rest of the chunk is never written
             continue
-        try:
-            ids = tokenizer.encode_array(text)
-        except Exception as err:  # a tokenizer bug or limit: name the record that hit it
-            where = "row" if chunk.kind == "parquet" else "line"
-            result.fatal = f"{where} {number}: the tokenizer failed: {type(err).__name__}: {err}"
-            return result
-        arrays.append(ids)
-        if eod is not None:
-            arrays.append(eod)  # one concatenate per chunk below, not one per document
-        lengths.append(len(ids) + (eod is not None))
+        texts.append(text)
+        numbers.append(number)
+    try:
+        tokens, lengths = tokenizer.encode_documents(texts)
+    except Exception:  # a tokenizer bug or limit: find and name the record that hit it
+        result.fatal = _failing_record(chunk, tokenizer, texts, numbers)
+        return result
     dtype = np.dtype(config.dtype)
     # Straight into the output dtype (ids < vocab size always fit it: see token_dtype).
-    result.tokens = (np.concatenate(arrays, dtype=dtype, casting="unsafe") if arrays
-                     else np.empty(0, dtype))
-    result.lengths = np.asarray(lengths, dtype=np.int32)
+    tokens = tokens.astype(dtype, casting="unsafe", copy=False)
+    if config.append_eod is not None:
+        tokens = np.insert(tokens, np.cumsum(lengths), np.array(config.append_eod).astype(dtype))
+        lengths = lengths + 1
+    result.tokens = tokens
+    result.lengths = lengths.astype(np.int32)
     result.text_bytes = text_bytes
     return result
+
+
+def _failing_record(chunk: Chunk, tokenizer, texts: list[str], numbers: list[int]) -> str:
+    where = "row" if chunk.kind == "parquet" else "line"
+    for number, text in zip(numbers, texts, strict=True):
+        try:
+            tokenizer.encode_documents([text])
+        except Exception as err:
+            return f"{where} {number}: the tokenizer failed: {type(err).__name__}: {err}"
+    return f"{where}s {numbers[0]}-{numbers[-1]}: the tokenizer failed on the chunk, not on one record"
 
 
 def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int) -> None:

@@ -1,0 +1,245 @@
+"""gigatoken encoders that give the reference tokenizers' ids, and the `--encoder` choice.
+
+    encoder, why = choose_encoder(load_tokenizer(spec), "auto", sample_texts)
+
+gigatoken (Rust; PyPI `gigatoken`, pinned in pyproject.toml) encodes 4-12x faster
+than SentencePiece / tiktoken per core, but it is a second implementation of the
+same algorithms, so it is used only where it reproduces the reference's ids:
+- SentencePiece BPE models with byte fallback (Mistral's, ours trained with
+  --byte-fallback, the demo model), through gigatoken's own .model converter.
+  Unigram models and BPE without byte fallback are refused by gigatoken 0.10.0.
+- Llama-3's tiktoken rank file, through transformers' TikTokenConverter (a
+  tokenizer.json): gigatoken 0.10.0's `from_tiktoken` panics on this file
+  (assertion at src/bpe/tiktoken.rs:614). Text is cut where the reference cuts it
+  (`TiktokenTokenizer.pieces`): BPE across a 400,000-character cut differs.
+- Hugging Face tokenizer.json files that gigatoken loads (byte-level BPE,
+  SentencePiece-style BPE).
+Special-token strings inside documents: the reference's plain encode reads them
+as text for SentencePiece and tiktoken (`<s>` is `<`, `s`, `>`), so their added
+tokens are removed from the tokenizer.json gigatoken loads; Hugging Face's encode
+matches added tokens in the text, and gigatoken does the same with them kept.
+Whatever the route, `choose_encoder` compares ids on tricky built-in strings and a
+sample of the input before using it; `auto` falls back to the reference on any
+difference, and an explicit `gigatoken` is then an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from data_pipeline.tokenizers import (
+    LLAMA3_PATTERN, TIKTOKEN_PREFIX, HFTokenizer, SentencePieceTokenizer,
+    TiktokenTokenizer, Tokenizer, TokenizerLoadError,
+)
+
+ENCODERS = ("auto", "reference", "gigatoken")
+
+# Strings on which a second implementation is most likely to differ from the reference:
+# special-token strings of every family, runs past the reference's cutting lengths,
+# whitespace of every kind and empty lines, Unicode that normalisers treat specially.
+_SPECIALS = ("<s>", "</s>", "<unk>", "<pad>", "<mask>", "[CLS]", "[SEP]", "<|begin_of_text|>",
+             "<|end_of_text|>", "<|eot_id|>", "<|endoftext|>", "<|im_start|>", "<|fim_prefix|>",
+             "<|reserved_special_token_5|>", "<0x41>", "▁", "<<s>>", "<s</s>>")
+PROBE_TEXTS = (
+    " ".join(_SPECIALS), "".join(_SPECIALS), "x<s>y</s>z\n<s>\n\n</s> <|endoftext|>.",
+    "  leading and trailing spaces  ", "\n\n\nempty lines\n\n\n\nbetween\n \n\t\n", "\r\n\r\n\r",
+    " " * 30_001 + "x", "x" + "\n" * 26_000 + "y", "\t \n" * 9_000 + "end",
+    "a" * 30_000, "ab1" * 10_000, "€" * 26_000, "1234567890" * 3_000 + " 42 3.14159 -0.5e-10",
+    ("word " * 1_000 + "\n") * 90,  # ~450,000 characters: past tiktoken's 400,000 cut
+    "\ufffd\ufffd é e\u0301 ñ Å Å ﬁ ＡＢＣ ｶﾞ ① ² ½ ⅷ",  # replacement char, NFC/NFD/NFKC pairs
+    "\u00a0nbsp\u2002en\u3000ideographic\u200bzero-width\u2028line\u2029para\u0085nel",
+    "\ufeffBOM \x00NUL \x01\x07\x1b[0m \x7f \ufdd0 \uffff \U0010ffff \ue000 private",
+    "中文字符 日本語のテキスト 한국어 ไทย العربية עברית हिन्दी Ελληνικά русский",
+    "😀👍🏽👨‍👩‍👧‍👦🇫🇷 \u202eRTL\u202c \u200d\u200c",
+    "don't WE'LL they're I'M it's 's 'S", "def f(x):\n\tif x:\n\t\treturn {'a': [1, 2]}\n",
+)
+CACHE_DIR = os.environ.get("GIGATOKEN_JSON_CACHE",
+                           os.path.join(os.path.expanduser("~"), ".cache", "mcore-stack", "gigatoken"))
+SAMPLE_BYTES = 1 << 18  # of the input, compared too (the first chunk of the first input)
+
+
+class EncoderUnavailable(TokenizerLoadError):
+    """--encoder gigatoken for a tokenizer it cannot encode exactly; the message says why."""
+
+
+def gigatoken_json(tok: Tokenizer) -> str:
+    """The tokenizer.json gigatoken loads for `tok` (see the module docstring), or
+    EncoderUnavailable naming why there is none."""
+    if isinstance(tok, SentencePieceTokenizer):
+        return _cached(tok, _sentencepiece_json)
+    if isinstance(tok, TiktokenTokenizer):
+        return _cached(tok, _tiktoken_json)
+    if isinstance(tok, HFTokenizer):
+        path = os.path.join(tok.spec, "tokenizer.json") if os.path.isdir(tok.spec) else tok.spec
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    raise EncoderUnavailable(f"gigatoken has no encoder for the {tok.kind} tokenizer {tok.spec!r}")
+
+
+def _sentencepiece_json(tok: SentencePieceTokenizer) -> str:
+    from gigatoken._load.sentencepiece import sentencepiece_to_tokenizer_json
+
+    with open(tok.spec, "rb") as f:
+        try:
+            data = json.loads(sentencepiece_to_tokenizer_json(f.read()))
+        except ValueError as err:  # "only BPE sentencepiece models are supported", ...
+            raise EncoderUnavailable(f"gigatoken cannot load {tok.spec!r}: {err}") from None
+    data["added_tokens"] = []  # SentencePiece's EncodeAsIds reads "<s>" as text
+    return json.dumps(data)
+
+
+def _tiktoken_json(tok: TiktokenTokenizer) -> str:
+    try:
+        import transformers.utils.logging as hf_logging
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+    except ImportError:
+        raise EncoderUnavailable("gigatoken reads tiktoken ranks here through transformers' "
+                                 "TikTokenConverter: pip install transformers==5.23.0") from None
+
+    hf_logging.set_verbosity_error()  # it warns about tiktoken's own file format
+    converted = TikTokenConverter(vocab_file=tok.spec[len(TIKTOKEN_PREFIX):],
+                                  pattern=LLAMA3_PATTERN).converted()
+    data = json.loads(converted.to_str())
+    # No added tokens: Llama-3's specials (ids above the ranks) stay text, as in
+    # TiktokenTokenizer.encode_array.
+    data["added_tokens"] = []
+    return json.dumps(data)
+
+
+def _cached(tok: Tokenizer, convert) -> str:
+    """convert(tok), kept under CACHE_DIR by the tokenizer's content hash: converting
+    Llama-3's ranks takes ~7 s (transformers' import and merge recovery), reading ~0.1 s.
+    A stale or corrupt entry cannot change ids unseen: choose_encoder compares them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "none"
+
+    # Another converter version may convert differently: its own entry.
+    tag = "-".join(f"{name}{installed(name)}" for name in ("gigatoken", "transformers"))
+    path = os.path.join(CACHE_DIR, f"{tok.kind}-{tok.unique_identifiers['sha256']}-{tag}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        pass
+    data = convert(tok)
+    try:
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        with open(f"{path}.{os.getpid()}.partial", "w", encoding="utf-8") as f:
+            f.write(data)
+        os.replace(f"{path}.{os.getpid()}.partial", path)  # atomic: readers see all or nothing
+    except OSError:
+        pass  # a read-only home costs the conversion on every run, nothing else
+    return data
+
+
+class GigatokenEncoder:
+    """`reference`'s ids from gigatoken: `encode_array` per document, `encode_documents`
+    per chunk (one call into Rust, on this thread: see workers' module docstring)."""
+
+    name = "gigatoken"
+
+    def __init__(self, reference: Tokenizer, tokenizer_json: str | None = None) -> None:
+        import gigatoken
+
+        self.reference = reference
+        self._json = tokenizer_json if tokenizer_json is not None else gigatoken_json(reference)
+        try:
+            self._tok = gigatoken.Tokenizer.from_json(self._json)
+        except BaseException as err:  # a Rust panic arrives as pyo3's PanicException(BaseException)
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            first_line = (str(err).strip().splitlines() or [""])[0]  # Rust adds its source location
+            raise EncoderUnavailable(f"gigatoken failed to load {reference.spec!r}: "
+                                     f"{type(err).__name__}: {first_line}") from None
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return self.encode_documents([text])[0]
+
+    def encode_documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Every text's ids end to end (uint32), and each text's count (int64)."""
+        if not texts:
+            return np.empty(0, np.uint32), np.empty(0, np.int64)
+        split = [self.reference.pieces(text) for text in texts]
+        whole = all(len(pieces) == 1 for pieces in split)  # the common case: no cut
+        flat = texts if whole else [piece for pieces in split for piece in pieces]
+        batch = self._tok.encode_batch(flat, parallel=False)
+        layout = batch.layout  # a ListOffsetArray over a NumpyArray: read both without copies
+        offsets = np.asarray(layout.offsets.data)
+        tokens = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
+        lengths = np.diff(offsets).astype(np.int64)
+        if not whole:
+            starts = np.cumsum([0] + [len(pieces) for pieces in split[:-1]])
+            lengths = np.add.reduceat(lengths, starts)
+        return tokens, lengths
+
+    # Spawned workers rebuild it from the converted tokenizer.json (no second conversion).
+    def __getstate__(self) -> dict:
+        return {"reference": self.reference, "json": self._json}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["reference"], state["json"])
+
+
+def first_difference(reference: Tokenizer, encoder, texts) -> int | None:
+    """Index of the first text whose ids differ between the two encoders, or None."""
+    tokens, lengths = encoder.encode_documents(list(texts))
+    ends = np.cumsum(lengths)
+    for index, text in enumerate(texts):
+        ours = tokens[ends[index] - lengths[index]:ends[index]]
+        if not np.array_equal(ours, reference.encode_array(text)):
+            return index
+    return None
+
+
+def choose_encoder(tok: Tokenizer, choice: str, sample: list[str]):
+    """(encoder, one line saying which and why) for --encoder `choice`; `sample` holds
+    documents of the input, compared with the built-in PROBE_TEXTS. Raises
+    EncoderUnavailable for `gigatoken` where it cannot be exact."""
+    if choice not in ENCODERS:
+        raise EncoderUnavailable(f"--encoder must be one of {', '.join(ENCODERS)}, got {choice!r}")
+    if choice == "reference":
+        return tok, f"encoder: reference ({tok.kind}), as asked (--encoder reference)"
+    try:
+        fast = GigatokenEncoder(tok)
+        texts = list(PROBE_TEXTS) + list(sample)
+        bad = first_difference(tok, fast, texts)
+    except EncoderUnavailable as err:
+        if choice == "gigatoken":
+            raise EncoderUnavailable(f"--encoder gigatoken: {err}; use --encoder reference "
+                                     "(or auto)") from None
+        return tok, f"encoder: reference ({tok.kind}), since {err}"
+    if bad is not None:
+        where = (f"built-in probe string {bad}" if bad < len(PROBE_TEXTS)
+                 else f"document {bad - len(PROBE_TEXTS) + 1} of the input sample")
+        why = f"gigatoken's ids differ from the {tok.kind} reference's on {where}"
+        if choice == "gigatoken":
+            raise EncoderUnavailable(f"--encoder gigatoken: {why}; use --encoder reference (or auto)")
+        return tok, f"encoder: reference ({tok.kind}), since {why}"
+    sample_mb = sum(len(text.encode("utf-8", "surrogatepass")) for text in sample) / 1e6
+    return fast, (f"encoder: gigatoken, same ids as the {tok.kind} reference on {len(PROBE_TEXTS)} "
+                  f"probe strings and {len(sample)} input documents ({sample_mb:.2f} MB)")
+
+
+def input_sample(sources, text_field: str, size: int = SAMPLE_BYTES) -> list[str]:
+    """The valid documents of the first `size` bytes of the first input (what choose_encoder
+    compares besides its probe strings)."""
+    from data_pipeline.sources import BadRecord, check_text, iter_chunks, iter_records
+
+    chunk = next(iter_chunks(sources[:1], size, text_field), None)
+    texts = []
+    for _, text in iter_records(chunk, text_field) if chunk is not None else ():
+        try:
+            if not isinstance(text, BadRecord):
+                check_text(text)
+                texts.append(text)
+        except BadRecord:
+            pass
+    return texts
