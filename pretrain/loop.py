@@ -93,7 +93,8 @@ def setup(config: ExperimentConfig) -> Run:
     info(f"[{config.name}] world {world_size} = {config.parallel.describe(world_size)} "
          f"({env.source}, {'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}), run dir {run_dir}",
          env.rank == 0)
-    chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}))
+    chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}),
+                                reset_position_ids=config.data.reset_position_ids)
     state = wrap_for_training(chunks, config)
     stop.check_setup()
     start_step = 0

@@ -42,18 +42,20 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def _forward_step(data_iterator, model):
     batch = next(data_iterator) if data_iterator is not None else None
     tokens = position_ids = labels = loss_mask = None
+    extra = {}
     if batch is not None:
         # Context parallelism: every CP rank reads the same micro-batch and keeps sequence
         # chunks r and 2CP-1-r of 2 x CP (Megatron-Core's load-balanced causal split, which
-        # RoPE and the portable CP attention assume). A no-op at CP 1.
+        # RoPE and the portable CP attention assume). A no-op at CP 1. Document ids (with
+        # data.reset_attention_mask) are split the same way.
         batch = get_batch_on_this_cp_rank(dict(batch))
+        device = next(model.parameters()).device
+        batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
         tokens, position_ids = batch["tokens"], batch["position_ids"]
         labels, loss_mask = batch["labels"], batch["loss_mask"]
-        device = next(model.parameters()).device
-        tokens, position_ids, labels, loss_mask = (
-            t.to(device, non_blocking=True) for t in (tokens, position_ids, labels, loss_mask)
-        )
-    output = model(tokens, position_ids, None, labels=labels)
+        if "document_ids" in batch:  # models.documents.DocumentGPTModel builds the mask
+            extra["document_ids"] = batch["document_ids"]
+    output = model(tokens, position_ids, None, labels=labels, **extra)
     return output, partial(_loss_func, loss_mask)
 
 
