@@ -95,6 +95,9 @@ class BatchStream:
         # Seconds spent producing batches since the last `take_fetch_time()`: data loading
         # happens inside the schedule's forward step, so the loop subtracts it from compute.
         self._fetch_time = 0.0
+        # Document masking: each sample's share of dense causal attention work, since the
+        # last `take_attention_fractions()` (models.flops.document_attention_fraction).
+        self._fractions: list[float] = []
 
     def __iter__(self):
         return self
@@ -103,12 +106,25 @@ class BatchStream:
         start = time.perf_counter()
         indices = next(self._indices)
         batch = _collate([self._dataset[i] for i in indices], self._eod)
+        if "document_ids" in batch:
+            self._fractions += _attention_fractions(batch["document_ids"])
         self._fetch_time += time.perf_counter() - start
         return batch
 
     def take_fetch_time(self) -> float:
         value, self._fetch_time = self._fetch_time, 0.0
         return value
+
+    def take_attention_fractions(self) -> list[float]:
+        value, self._fractions = self._fractions, []
+        return value
+
+
+def _attention_fractions(document_ids: torch.Tensor) -> list[float]:
+    from models.flops import document_attention_fraction
+
+    seq = document_ids.shape[-1]
+    return [document_attention_fraction(torch.bincount(row).tolist(), seq) for row in document_ids]
 
 
 def chunk_iterators(dataset, config: ExperimentConfig, consumed: int, total: int) -> list[Optional[BatchStream]]:

@@ -116,6 +116,19 @@ class StepResult:
     # and micro-batches: load balancing (1.0 = perfectly even) and z-loss; None if off.
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
+    # Document masking: mean share of the dense causal attention work that ran, over this
+    # rank's samples of the step (None when attention is not reset at documents).
+    attention_fraction: Optional[float] = None
+
+
+def _attention_fraction(iterators: list) -> Optional[float]:
+    """From the first stream (every chunk's stream reads the same samples)."""
+    stream = next((it for it in iterators if it is not None), None)
+    fractions = stream.take_attention_fractions() if stream is not None else []
+    for other in iterators:
+        if other is not None and other is not stream:
+            other.take_attention_fractions()
+    return sum(fractions) / len(fractions) if fractions else None
 
 
 def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig,
@@ -200,7 +213,8 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
     state.optimizer.zero_grad()
     losses = run_schedule(state, iterators, config, num_microbatches, forward_only=False)
     router = moe_router_losses(config, num_microbatches)
-    moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"))
+    moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"),
+               attention_fraction=_attention_fraction(iterators))
     if config.runtime.inject_nan_step == step:
         _inject_nan(state)
     runtime = config.runtime
