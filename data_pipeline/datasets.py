@@ -290,3 +290,31 @@ def ensure_demo_dataset(out_dir: str) -> tuple[str, str]:
         preprocess([DEMO_CORPUS], tokenizer=DEMO_TOKENIZER, output_prefix=prefix,
                    append_eod=True, workers=0, overwrite=True)
     return prefix, DEMO_TOKENIZER
+
+
+def ensure_verses_dataset(out_dir: str, chapters: int = 100) -> tuple[str, str]:
+    """The shipped KJV corpus with one document per verse (~37 tokens; the first `chapters`
+    chapters), tokenised with the demo SentencePiece model, EOD appended: real text whose
+    64-token samples hold 1-3 document boundaries, for document masking's tests and
+    benchmark. Made once in out_dir (a lock: several processes may ask at once).
+    Returns (prefix, tokenizer_path)."""
+    import gzip
+    import json
+
+    from data_pipeline.indexed_writer import output_exists
+    from data_pipeline.preprocess import preprocess
+
+    os.makedirs(out_dir, exist_ok=True)
+    prefix = os.path.join(out_dir, "kjv_verses")
+    with open(os.path.join(out_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not output_exists(prefix):
+            with gzip.open(DEMO_CORPUS, "rt") as f:
+                texts = [json.loads(line)["text"] for line in f][:chapters]
+            # A chapter is "Book N" then one numbered verse per line.
+            verses = [line.strip() for text in texts for line in text.splitlines()[1:] if line.strip()]
+            jsonl = os.path.join(out_dir, "verses.jsonl")
+            with open(jsonl, "w") as out:
+                out.writelines(json.dumps({"text": verse}) + "\n" for verse in verses)
+            preprocess([jsonl], tokenizer=DEMO_TOKENIZER, output_prefix=prefix, append_eod=True, workers=0)
+    return prefix, DEMO_TOKENIZER

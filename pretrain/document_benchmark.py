@@ -10,7 +10,7 @@ and the bool mask the portable model builds from it once per forward
 (`models.documents.local_document_mask`). Times are medians over `--repeat` runs; bytes are
 the tensors' sizes (the dense path's peak holds the fp32 tril and its bool copy at once).
 
-`train`: tiny-llama on real text with short documents (tests' KJV verses), masking off and
+`train`: tiny-llama on real text with short documents (data_pipeline's KJV verses), masking off and
 on in alternating rounds (the machine is shared and noisy), `--steps` steps each; prints the
 median step time, tokens/s and the data-loader share of the step (metrics.jsonl's
 `overhead_frac`: time outside forward/backward + optimizer, where batches are fetched)
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -76,35 +77,31 @@ def _train_once(root: Path, tag: str, steps: int, data: list[str], masked: bool)
     run_dir = root / tag
     overrides = [f"schedule.train_steps={steps}", "schedule.micro_batch_size=4", "schedule.global_batch_size=8",
                  "schedule.seq_length=256", "schedule.eval_interval=0", "runtime.spec=portable",
-                 "logging.tensorboard=false", f"logging.run_dir={run_dir}", *data]
+                 "logging.tensorboard=false", "logging.log_interval=1", f"logging.run_dir={run_dir}", *data]
     if masked:
         overrides += ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
     subprocess.run([sys.executable, "-m", "pretrain", "--recipe", "tiny-llama", *overrides], check=True,
-                   capture_output=True, text=True, env={"OMP_NUM_THREADS": "2", **_env()})
+                   capture_output=True, text=True, env={"OMP_NUM_THREADS": "2", **os.environ})
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
     return {"step_s": statistics.median(r["step_time_s"] for r in records),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-            "data_share": statistics.median(r["overhead_frac"] for r in records)}
-
-
-def _env() -> dict:
-    import os
-
-    return dict(os.environ)
+            "data_share": statistics.median(r["overhead_frac"] for r in records),
+            "attention_fraction": records[-1]["attention_fraction"]}
 
 
 def train_comparison(rounds: int, steps: int) -> dict:
-    from tests.pretrain.workers import document_data
+    from data_pipeline.datasets import ensure_verses_dataset
 
     results: dict[str, list[dict]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="docmask-bench-") as tmp:
         root = Path(tmp)
-        data = document_data(root)
+        prefix, tokenizer = ensure_verses_dataset(str(root / "verses"))
+        data = ["data.mock=false", "data.demo=false", f"data.blend=[[1.0, {prefix}]]", f"data.tokenizer={tokenizer}"]
         for i in range(rounds):
             for name in ("off", "on"):
                 results[name].append(_train_once(root, f"{name}-{i}", steps, data, name == "on"))
-    return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"rounds": len(runs)}
-            for name, runs in results.items()}
+    return {name: {key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None
+                   for key in runs[0]} | {"rounds": len(runs)} for name, runs in results.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

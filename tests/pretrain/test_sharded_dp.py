@@ -162,7 +162,7 @@ def test_a_doubled_gradient_would_show(runs, tmp_path):
     assert moved > 1e-3, moved
 
 
-@pytest.mark.parametrize("name", ["DP2-ZeRO2", "DP2-ZeRO3", "HSDP2x2-ZeRO3", "MoE-EP2-ZeRO3"])
+@pytest.mark.parametrize("name", ["DP2-ZeRO2", "DP2-ZeRO3", "HSDP2x2-ZeRO3", "MoE-EP2-ZeRO3", "CP2-docs"])
 def test_resume_from_the_async_save_is_exact(runs, name, tmp_path):
     """MoE: each EP rank's experts (and their Adam moments) are saved by that rank, the rank
     0 of its expert shard group (a save by data-parallel rank 0 alone lost them and hung)."""
@@ -198,9 +198,13 @@ def test_checkpoint_moves_between_zero3_and_plain_ddp_unchanged(runs, source, ta
     assert not changed, changed
 
 
-def test_zero3_checkpoint_exports_and_verifies_without_conversion(runs, tmp_path):
+@pytest.mark.parametrize("sharded, one_rank", [("DP2-ZeRO3", "ref:tiny-llama"),
+                                                ("DP2-ZeRO3-docs", "ref:tiny-llama-docs")])
+def test_zero3_checkpoint_exports_and_verifies_without_conversion(runs, sharded, one_rank, tmp_path):
     """checkpoints_tools read a ZeRO-3 checkpoint as it is: the HF export computes the one-rank
-    run's logits (its final weights are the same to 1e-5), and verify passes it."""
+    run's logits (its final weights are the same to 1e-5), and verify passes it. Trained with
+    document masking too: masking changes no weight or format (transformers runs each
+    sequence as one document, as verify's prompts are)."""
     pytest.importorskip("transformers")
     from checkpoints_tools.export_hf import export_hf
     from tests.checkpoints_tools.conftest import SP_MODEL
@@ -208,13 +212,13 @@ def test_zero3_checkpoint_exports_and_verifies_without_conversion(runs, tmp_path
 
     final = f"step_{STEPS:08d}"
     logits = {}
-    for name in ("DP2-ZeRO3", "ref:tiny-llama"):
+    for name in (sharded, one_rank):
         out = tmp_path / name.replace(":", "-")
         export_hf(runs[name]["ckpt"] / final, out, tokenizer=SP_MODEL)
         logits[name] = hf_logits(out, json.loads((out / "config.json").read_text())["vocab_size"])
-    diff = (logits["DP2-ZeRO3"] - logits["ref:tiny-llama"]).abs().max().item()
+    diff = (logits[sharded] - logits[one_rank]).abs().max().item()
     assert diff <= 1e-4, diff
-    proc = _verify_cli(runs["DP2-ZeRO3"]["ckpt"] / final, tmp_path / "DP2-ZeRO3")
+    proc = _verify_cli(runs[sharded]["ckpt"] / final, tmp_path / sharded)
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
     report = json.loads(proc.stdout.read().strip().splitlines()[-1])
     assert report["passed"] and report["max_abs_diff"] <= 1e-4

@@ -49,33 +49,14 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False,
 
 
 def document_data(root) -> list[str]:
-    """Overrides that train on real text with short documents: the KJV demo corpus, one
-    document per verse (~30 tokens: 1-3 boundaries in a 64-token sample), tokenised with the
-    demo SentencePiece model and EOD appended. Made once under `root` (a lock: several
-    processes may ask at once)."""
-    import fcntl
-    import gzip
-    import json
+    """Overrides that train on real text with short documents (data_pipeline's KJV verses,
+    made once under `root`)."""
     import os
 
-    from data_pipeline.datasets import DEMO_CORPUS, DEMO_TOKENIZER
-    from data_pipeline.indexed_writer import output_exists
-    from data_pipeline.preprocess import preprocess
+    from data_pipeline.datasets import ensure_verses_dataset
 
-    folder = os.path.join(str(root), "verses")
-    os.makedirs(folder, exist_ok=True)
-    prefix = os.path.join(folder, "kjv_verses")
-    with open(os.path.join(folder, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not output_exists(prefix):
-            with gzip.open(DEMO_CORPUS, "rt") as f:
-                chapters = [json.loads(line)["text"] for line in f][:100]
-            verses = [line.strip() for text in chapters for line in text.splitlines()[1:] if line.strip()]
-            jsonl = os.path.join(folder, "verses.jsonl")
-            with open(jsonl, "w") as out:
-                out.writelines(json.dumps({"text": verse}) + "\n" for verse in verses)
-            preprocess([jsonl], tokenizer=DEMO_TOKENIZER, output_prefix=prefix, append_eod=True, workers=0)
-    return ["data.mock=false", "data.demo=false", f"data.blend=[[1.0, {prefix}]]", f"data.tokenizer={DEMO_TOKENIZER}"]
+    prefix, tokenizer = ensure_verses_dataset(os.path.join(str(root), "verses"))
+    return ["data.mock=false", "data.demo=false", f"data.blend=[[1.0, {prefix}]]", f"data.tokenizer={tokenizer}"]
 
 
 def _gpt(chunk):
