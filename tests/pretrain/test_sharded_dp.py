@@ -45,7 +45,9 @@ LAYOUTS = {
 # Document masking (issue 24) in every kind of layout, on real text with short documents
 # (tests.pretrain.workers.document_data: 1-3 document boundaries per 64-token sample), against one rank
 # with masking on. PP2 x VPP2 has middle chunks (they need the document ids too); CP2 masks
-# documents whose boundaries fall in the other rank's chunk.
+# documents whose boundaries fall in the other rank's chunk. Plain DDP over data-parallel
+# replicas is in CP2 and MoE-EP2 (DP 2 for the dense weights); DP2 and DP2 ZeRO-2 with masking
+# passed too (issue 24's note) and were left out to keep the suite's time.
 # Real text has tokens seen once in 5 steps, whose embedding rows get gradient elements near
 # 0: there Adam turns fp32's absolute noise (~1e-10 between layouts) into weight differences
 # of noise x lr / eps (x 3e5 at eps 1e-8: CP2 vs one rank measured 3.3e-5 in one embedding
@@ -58,8 +60,6 @@ LAYOUTS.update({
     "TP2-SP-docs": ("tiny-llama", 2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"] + DOCS),
     "PP2xVPP2-docs": ("tiny-llama", 2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"] + DOCS),
     "CP2-docs": ("tiny-llama", 2, ["parallel.context_parallel=2"] + DOCS),
-    "DP2-docs": ("tiny-llama", 2, DOCS),
-    "DP2-ZeRO2-docs": ("tiny-llama", 2, ["parallel.sharding=zero2"] + DOCS),
     "DP2-ZeRO3-docs": ("tiny-llama", 2, ["parallel.sharding=zero3"] + DOCS),
     "MoE-EP2-docs": ("tiny-moe", 2, ["parallel.expert_parallel=2"] + DOCS),
 })
