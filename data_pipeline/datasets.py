@@ -17,6 +17,7 @@ the other ranks load them from `cache_dir`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import math
 import os
@@ -195,12 +196,53 @@ def check_sample_budget(*, blend, mock: bool, split: str, seq_length: int, num_s
             f"{need / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory")
 
 
+@dataclasses.dataclass(frozen=True)
+class DocumentMasking:
+    """Megatron-LM's three switches for packed samples (see pretrain's DataConfig). A
+    document ends with, and includes, the EOD token: the token after an EOD starts the next."""
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids or self.eod_mask_loss
+
+
+def document_ids(tokens, eod: int):
+    """Per-token document index within each sample ([..., s] -> [..., s] int32): the number
+    of EOD tokens strictly before the token. O(s), the whole description of the boundaries
+    that `reset_attention_mask` needs (the model builds its mask from it), instead of
+    Megatron's s x s `attention_mask` per sample (create_attention_mask, which we keep off)."""
+    import torch
+
+    is_eod = (tokens == eod).to(torch.int32)
+    return (torch.cumsum(is_eod, dim=-1) - is_eod).to(torch.int32)
+
+
+def count_eod(prefix: str, eod: int, max_tokens: int = 1 << 24) -> tuple[int, int]:
+    """(EOD tokens, tokens scanned) in the first `max_tokens` tokens of an indexed dataset
+    (a memory-mapped read of at most 32-64 MiB: cheap enough for every start-up)."""
+    import numpy as np
+
+    from data_pipeline.indexed_writer import get_bin_path, open_index
+
+    dtype = open_index(prefix).dtype
+    data = np.memmap(get_bin_path(prefix), dtype=dtype, mode="r")
+    head = data[:max_tokens]
+    return int(np.count_nonzero(head == eod)), int(head.size)
+
+
 def build_gpt_datasets(*, blend: list[tuple[float, str]] | None, split: str, seq_length: int,
                        seed: int, num_samples: tuple[int, int, int], tokenizer: Tokenizer,
-                       cache_dir: str | None, mock: bool = False):
+                       cache_dir: str | None, mock: bool = False,
+                       documents: DocumentMasking = DocumentMasking()):
     """(train, valid, test) Megatron-Core GPT datasets (None for a split weighted 0).
 
-    Items are dicts of torch tensors: tokens, labels, loss_mask, position_ids.
+    Items are dicts of torch tensors: tokens, labels, loss_mask, position_ids (restarting
+    after each EOD with `documents.reset_position_ids`; loss_mask 0 on EOD inputs with
+    `documents.eod_mask_loss`: Megatron's own `_get_ltor_masks_and_position_ids`). The
+    attention mask is never built here (O(s^2) per sample): see `document_ids`.
     `blend` is [(weight, prefix), ...]; `split` like "98,2,0" splits every
     prefix's documents; `num_samples` are the samples each split must provide
     (Megatron repeats epochs to reach them); the shuffle is a function of `seed`.
@@ -233,10 +275,12 @@ def build_gpt_datasets(*, blend: list[tuple[float, str]] | None, split: str, seq
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,  # the model builds its causal mask itself
+        reset_position_ids=documents.reset_position_ids,
+        # Megatron only uses this to build the dense mask, which create_attention_mask=False
+        # skips; the batch carries `document_ids` instead (pretrain.data).
+        reset_attention_mask=documents.reset_attention_mask,
+        eod_mask_loss=documents.eod_mask_loss,
+        create_attention_mask=False,  # the model builds its mask itself
     )
     builder = builder_cls(mock_cls if mock else gpt_cls, list(num_samples), lambda: True, config)
     with _rank_zero_without_process_group():
@@ -279,4 +323,32 @@ def ensure_demo_dataset(out_dir: str) -> tuple[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # blocking: later callers wait, then skip
         preprocess([DEMO_CORPUS], tokenizer=DEMO_TOKENIZER, output_prefix=prefix,
                    append_eod=True, workers=0, overwrite=True)
+    return prefix, DEMO_TOKENIZER
+
+
+def ensure_verses_dataset(out_dir: str, chapters: int = 100) -> tuple[str, str]:
+    """The shipped KJV corpus with one document per verse (~37 tokens; the first `chapters`
+    chapters), tokenised with the demo SentencePiece model, EOD appended: real text whose
+    64-token samples hold 1-3 document boundaries, for document masking's tests and
+    benchmark. Made once in out_dir (a lock: several processes may ask at once).
+    Returns (prefix, tokenizer_path)."""
+    import gzip
+    import json
+
+    from data_pipeline.indexed_writer import output_exists
+    from data_pipeline.preprocess import preprocess
+
+    os.makedirs(out_dir, exist_ok=True)
+    prefix = os.path.join(out_dir, "kjv_verses")
+    with open(os.path.join(out_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not output_exists(prefix):
+            with gzip.open(DEMO_CORPUS, "rt") as f:
+                texts = [json.loads(line)["text"] for line in f][:chapters]
+            # A chapter is "Book N" then one numbered verse per line.
+            verses = [line.strip() for text in texts for line in text.splitlines()[1:] if line.strip()]
+            jsonl = os.path.join(out_dir, "verses.jsonl")
+            with open(jsonl, "w") as out:
+                out.writelines(json.dumps({"text": verse}) + "\n" for verse in verses)
+            preprocess([jsonl], tokenizer=DEMO_TOKENIZER, output_prefix=prefix, append_eod=True, workers=0)
     return prefix, DEMO_TOKENIZER

@@ -6,7 +6,7 @@
   2. `layer_spec`: `te` (Transformer Engine fused modules; TE does SP and CP) or
      `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with
      our MoE router (`models.moe`).
-  3. one `GPTModel` per virtual pipeline stage, each with the pre/post-process flags of
+  3. one `GPTModel` (`models.documents.DocumentGPTModel`) per virtual pipeline stage, each with the pre/post-process flags of
      its position in the pipeline, built on the current device; Llama-3.1 RoPE scaling
      completed with all four of its values (`models.rope`: GPTModel passes only the factor).
   4. expert weights marked expert-parallel at every EP size (same optimizer structure).
@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.config import ModelConfig
 from models.context_parallel import ContextParallelAttention
+from models.documents import DocumentGPTModel
 from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
 from models.moe import with_layout_invariant_router
@@ -202,8 +203,13 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=PortableNorm)
 
 
-def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: RuntimeOptions) -> list[GPTModel]:
+def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: RuntimeOptions, *,
+                       reset_position_ids: bool = False) -> list[GPTModel]:
     """Build this rank's model chunks (one per virtual pipeline stage), initialised.
+
+    Chunks are `models.documents.DocumentGPTModel` (GPTModel plus document masking when a
+    forward gets `document_ids`); `reset_position_ids` makes RoPE follow the batch's
+    position ids (data.reset_position_ids).
 
     Needs `parallel_state` initialised with the same layout. `runtime.spec` may be `auto`
     (resolved here); training resolves and checks it once before any process group
@@ -216,7 +222,9 @@ def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: Runt
     chunks = []
     for vp_stage in range(layout.vpp):
         vp = vp_stage if layout.virtual_pipeline else None
-        gpt = GPTModel(
+        gpt = DocumentGPTModel(
+            reset_position_ids=reset_position_ids,
+            packed=resolved == "te",  # document masking as THD packed sequences (TE's attention)
             config=config,
             transformer_layer_spec=layer_spec(config, resolved, vp),
             vocab_size=model.padded_vocab_size,

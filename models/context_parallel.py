@@ -12,6 +12,8 @@ that attended to its tokens), puts the chunks back in sequence order, and attend
 its two query chunks to the key prefix it can see. Keys after a chunk's last position
 are never computed, so rank work is c^2 (2CP+1) score entries for chunk length c; only
 the diagonal block needs a mask. The backward is autograd's: no hand-written gradient.
+With document masking (models.documents) an `attention_mask` [b, 1, s_local, s] marks the
+keys of other documents, wherever they live; it is added to the causal part.
 
 This is the "all-gather" flavour of CP (as TE's cp_comm_type=all_gather): simple and
 exact, with activations of the full sequence's K/V per rank; the ring (p2p) flavour that
@@ -104,20 +106,26 @@ class ContextParallelAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
     ) -> Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("ContextParallelAttention computes the causal mask itself; explicit "
-                             "masks, attention bias and packed sequences are not supported")
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("ContextParallelAttention computes the causal mask itself; attention "
+                             "bias and packed sequences are not supported")
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         local_len = query.shape[0]
         if local_len % 2:
             raise ValueError(f"local sequence length {local_len} must hold two equal CP chunks")
         chunk = local_len // 2
+        if attention_mask is not None and attention_mask.shape[-2:] != (local_len, 2 * cp_size * chunk):
+            raise ValueError(f"attention_mask must be [b, 1, local queries {local_len}, all keys "
+                             f"{2 * cp_size * chunk}] (models.documents), got {tuple(attention_mask.shape)}")
         keys, values = self._gather_kv(key, value, cp_size, chunk)
         outputs = []
         for i, g in enumerate(load_balanced_chunks(cp_size, cp_rank)):
             q = query[i * chunk:(i + 1) * chunk]
             end = (g + 1) * chunk  # keys after this chunk are masked for every query in it
-            outputs.append(self._attend(q, keys[:end], values[:end], causal_prefix_mask(g, chunk, q.device)))
+            mask = causal_prefix_mask(g, chunk, q.device)
+            if attention_mask is not None:  # document masking: keys of other documents, any rank
+                mask = mask | attention_mask[:, :, i * chunk:(i + 1) * chunk, :end]
+            outputs.append(self._attend(q, keys[:end], values[:end], mask))
         context = torch.cat(outputs, dim=0)  # [s_local, b, heads, head_dim]
         return context.reshape(local_len, context.shape[1], self.heads * self.head_dim)
 

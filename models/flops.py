@@ -73,7 +73,17 @@ def total_params(m: ModelConfig) -> int:
     return embedding_params(m) + m.num_layers * layer_params(m) + output_params(m)
 
 
-def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True) -> float:
+def document_attention_fraction(document_lengths, seq_length: int) -> float:
+    """The share of a sample's causal attention work (scores and weighted values) that runs
+    when attention stays inside each document (data.reset_attention_mask): a document of L
+    tokens costs L (L + 1) / 2 query-key pairs, the whole sample s (s + 1) / 2. 1.0 for one
+    document; about mean document length / s for many short ones."""
+    pairs = sum(length * (length + 1) for length in document_lengths)
+    return pairs / (seq_length * (seq_length + 1))
+
+
+def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True,
+                            attention_fraction: float = 1.0) -> float:
     """Forward FLOPs for one token (summing every layer and the logits).
 
     Per layer:
@@ -84,9 +94,13 @@ def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True
       MLP                  2 h f (3 if SwiGLU: gate, up, down; else 2), per active expert
                            (MoE: k experts per token, + 2 h E for the router)
     Logits: 2 h V.
+    `attention_fraction` scales the two attention terms: the share of the causal work that
+    document masking leaves (`document_attention_fraction`); 1.0 = the dense formula, which
+    MFU is reported against (the convention of PaLM and Megatron-LM, comparable across data).
     """
     h, n, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     attn_factor = 0.5 if causal else 1.0
+    attn_factor *= attention_fraction
     attention = 2 * h * (n * d + 2 * g * d) + 2 * 2 * seq_length * n * d * attn_factor + 2 * n * d * h
     mats = 3 if m.gated else 2
     if m.is_moe:
@@ -98,9 +112,9 @@ def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True
     return m.num_layers * (attention + mlp) + 2 * h * m.padded_vocab_size
 
 
-def training_flops_per_token(m: ModelConfig, seq_length: int) -> float:
+def training_flops_per_token(m: ModelConfig, seq_length: int, attention_fraction: float = 1.0) -> float:
     """Forward + backward = 3 x forward."""
-    return 3.0 * forward_flops_per_token(m, seq_length)
+    return 3.0 * forward_flops_per_token(m, seq_length, attention_fraction=attention_fraction)
 
 
 def training_flops_per_step(m: ModelConfig, seq_length: int, global_batch_size: int) -> float:

@@ -28,6 +28,15 @@ class Datasets:
     tokenizer: object
 
 
+def document_masking(config: ExperimentConfig):
+    """The data config's three Megatron switches as data_pipeline's `DocumentMasking`."""
+    from data_pipeline.datasets import DocumentMasking
+
+    data = config.data
+    return DocumentMasking(reset_attention_mask=data.reset_attention_mask,
+                           reset_position_ids=data.reset_position_ids, eod_mask_loss=data.eod_mask_loss)
+
+
 def build_datasets(config: ExperimentConfig, world_size: int) -> Datasets:
     """Build train/valid datasets on every rank (cached index files are shared). The inputs
     were checked by pretrain.config.validate_data, before any process group."""
@@ -45,6 +54,7 @@ def build_datasets(config: ExperimentConfig, world_size: int) -> Datasets:
     train, valid, _ = build_gpt_datasets(
         blend=blend, split=data.split, seq_length=sched.seq_length, seed=config.runtime.seed,
         num_samples=sample_counts(config), tokenizer=tokenizer, cache_dir=cache_dir, mock=data.mock,
+        documents=document_masking(config),
     )
     return Datasets(train=train, valid=valid, tokenizer=tokenizer)
 
@@ -59,22 +69,35 @@ def _sample_indices(consumed: int, total: int, micro_batch: int, dp_size: int, d
         start += block
 
 
-def _collate(samples: list[dict]) -> dict:
+def _collate(samples: list[dict], eod: Optional[int]) -> dict:
+    """Stack the samples; with `eod` (reset_attention_mask), add each token's document
+    index [b, s] int32: the model builds the attention it needs from it (data_pipeline's
+    `document_ids`: O(s) per sample, where Megatron's dense mask is O(s^2))."""
+    from data_pipeline.datasets import document_ids
+
     keys = ("tokens", "labels", "loss_mask", "position_ids")
-    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    if eod is not None:
+        batch["document_ids"] = document_ids(batch["tokens"], eod)
+    return batch
 
 
 class BatchStream:
-    """Iterator of collated micro-batches over a dataset for this DP rank."""
+    """Iterator of collated micro-batches over a dataset for this DP rank; `eod` (the EOD id
+    when attention is reset at document boundaries, else None) adds `document_ids`."""
 
-    def __init__(self, dataset, *, consumed: int, total: int, micro_batch: int):
+    def __init__(self, dataset, *, consumed: int, total: int, micro_batch: int, eod: Optional[int] = None):
         dp_size = parallel_state.get_data_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
         self._dataset = dataset
+        self._eod = eod
         self._indices = _sample_indices(consumed, min(total, len(dataset)), micro_batch, dp_size, dp_rank)
         # Seconds spent producing batches since the last `take_fetch_time()`: data loading
         # happens inside the schedule's forward step, so the loop subtracts it from compute.
         self._fetch_time = 0.0
+        # Document masking: each sample's share of dense causal attention work, since the
+        # last `take_attention_fractions()` (models.flops.document_attention_fraction).
+        self._fractions: list[float] = []
 
     def __iter__(self):
         return self
@@ -82,7 +105,9 @@ class BatchStream:
     def __next__(self) -> dict:
         start = time.perf_counter()
         indices = next(self._indices)
-        batch = _collate([self._dataset[i] for i in indices])
+        batch = _collate([self._dataset[i] for i in indices], self._eod)
+        if "document_ids" in batch:
+            self._fractions += _attention_fractions(batch["document_ids"])
         self._fetch_time += time.perf_counter() - start
         return batch
 
@@ -90,16 +115,35 @@ class BatchStream:
         value, self._fetch_time = self._fetch_time, 0.0
         return value
 
+    def take_attention_fractions(self) -> list[float]:
+        value, self._fractions = self._fractions, []
+        return value
+
+
+def _attention_fractions(document_ids: torch.Tensor) -> list[float]:
+    from models.flops import document_attention_fraction
+
+    seq = document_ids.shape[-1]
+    return [document_attention_fraction(torch.bincount(row).tolist(), seq) for row in document_ids]
+
 
 def chunk_iterators(dataset, config: ExperimentConfig, consumed: int, total: int) -> list[Optional[BatchStream]]:
-    """One stream per model chunk; chunks that neither embed nor compute the loss get None."""
+    """One stream per model chunk; chunks that neither embed nor compute the loss get None,
+    unless documents reset attention or positions: every chunk's attention then needs the
+    micro-batch's document ids and positions."""
+    data = config.data
+    every_chunk = data.reset_attention_mask or data.reset_position_ids
+    # The EOD id the dataset was built with (Megatron's GPT and blended datasets keep their
+    # GPTDatasetConfig, tokenizer included).
+    eod = dataset.config.tokenizer.eod if data.reset_attention_mask else None
     streams = []
     for vp_stage in range(config.parallel.vpp):
         vp = vp_stage if config.parallel.virtual_pipeline else None
-        needs = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp) or \
+        needs = every_chunk or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp) or \
             parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         streams.append(
-            BatchStream(dataset, consumed=consumed, total=total, micro_batch=config.schedule.micro_batch_size)
+            BatchStream(dataset, consumed=consumed, total=total, micro_batch=config.schedule.micro_batch_size,
+                        eod=eod)
             if needs else None
         )
     return streams

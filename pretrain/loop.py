@@ -106,7 +106,8 @@ def _setup_distributed(config: ExperimentConfig, world_size: int, spec: str, res
          f"({env.source}, {'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}), run dir {run_dir}",
          env.rank == 0)
     watchdog.setup_phase("building the model")
-    chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}))
+    chunks = build_model_chunks(config.model, config.parallel, config.runtime.model_copy(update={"spec": spec}),
+                                reset_position_ids=config.data.reset_position_ids)
     state = wrap_for_training(chunks, config)
     stop.check_setup()
     start_step = 0
@@ -256,7 +257,7 @@ def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: 
         tokens_per_s=tps, tokens_per_s_per_device=tps_dev, tflops_per_device=tflops, mfu=mfu,
         peak_mem_gb=peak_memory_gb(), overhead_frac=max(0.0, 1.0 - result.compute_time_s / step_time),
         skipped=result.skipped, skipped_steps=skipped_total, loss_scale=result.loss_scale,
-        moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss,
+        moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss, attention_fraction=result.attention_fraction,
         **(stragglers.metrics() if stragglers else {}),
     )
 

@@ -75,6 +75,10 @@ class StepMetrics:
     # MoE: mean load-balancing loss over MoE layers (1.0 = even routing) and router z-loss.
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
+    # Document masking (data.reset_attention_mask): the share of dense causal attention work
+    # that ran (models.flops.document_attention_fraction, mean over the logging rank's
+    # samples). tflops_per_device and mfu still count the dense formula (see README).
+    attention_fraction: Optional[float] = None
     # Straggler report steps only (logging.straggler_interval): the rank furthest above its
     # pipeline stage's median forward/backward compute time per step, over the interval.
     straggler_slowest_rank: Optional[int] = None

@@ -42,18 +42,20 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def _forward_step(data_iterator, model):
     batch = next(data_iterator) if data_iterator is not None else None
     tokens = position_ids = labels = loss_mask = None
+    extra = {}
     if batch is not None:
         # Context parallelism: every CP rank reads the same micro-batch and keeps sequence
         # chunks r and 2CP-1-r of 2 x CP (Megatron-Core's load-balanced causal split, which
-        # RoPE and the portable CP attention assume). A no-op at CP 1.
+        # RoPE and the portable CP attention assume). A no-op at CP 1. Document ids (with
+        # data.reset_attention_mask) are split the same way.
         batch = get_batch_on_this_cp_rank(dict(batch))
+        device = next(model.parameters()).device
+        batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
         tokens, position_ids = batch["tokens"], batch["position_ids"]
         labels, loss_mask = batch["labels"], batch["loss_mask"]
-        device = next(model.parameters()).device
-        tokens, position_ids, labels, loss_mask = (
-            t.to(device, non_blocking=True) for t in (tokens, position_ids, labels, loss_mask)
-        )
-    output = model(tokens, position_ids, None, labels=labels)
+        if "document_ids" in batch:  # models.documents.DocumentGPTModel builds the mask
+            extra["document_ids"] = batch["document_ids"]
+    output = model(tokens, position_ids, None, labels=labels, **extra)
     return output, partial(_loss_func, loss_mask)
 
 
@@ -114,6 +116,19 @@ class StepResult:
     # and micro-batches: load balancing (1.0 = perfectly even) and z-loss; None if off.
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
+    # Document masking: mean share of the dense causal attention work that ran, over this
+    # rank's samples of the step (None when attention is not reset at documents).
+    attention_fraction: Optional[float] = None
+
+
+def _attention_fraction(iterators: list) -> Optional[float]:
+    """From the first stream (every chunk's stream reads the same samples)."""
+    stream = next((it for it in iterators if it is not None), None)
+    fractions = stream.take_attention_fractions() if stream is not None else []
+    for other in iterators:
+        if other is not None and other is not stream:
+            other.take_attention_fractions()
+    return sum(fractions) / len(fractions) if fractions else None
 
 
 def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig,
@@ -198,7 +213,8 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
     state.optimizer.zero_grad()
     losses = run_schedule(state, iterators, config, num_microbatches, forward_only=False)
     router = moe_router_losses(config, num_microbatches)
-    moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"))
+    moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"),
+               attention_fraction=_attention_fraction(iterators))
     if config.runtime.inject_nan_step == step:
         _inject_nan(state)
     runtime = config.runtime

@@ -32,6 +32,7 @@ from pretrain.config.schema import (
     sample_counts,
 )
 from pretrain.config.validation import (
+    check_document_masking,
     check_spec_support,
     validate_before_start,
     validate_data,
@@ -44,7 +45,7 @@ from pretrain.config.validation import (
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "ExperimentConfig", "LoggingConfig", "OptimizerConfig",
     "ProfileConfig", "RuntimeConfig", "ScheduleConfig", "TrackingConfig", "WatchdogConfig", "apply_overrides",
-    "check_spec_support", "data_parallel_sharding", "demo_prefix", "dump_yaml", "microbatches",
+    "check_document_masking", "check_spec_support", "data_parallel_sharding", "demo_prefix", "dump_yaml", "microbatches",
     "num_microbatches", "sample_counts", "validate_before_start", "validate_data", "validate_for_machine",
     "validate_for_world", "validate_inputs", "validate_paths",
 ]

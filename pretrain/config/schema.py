@@ -100,6 +100,15 @@ class DataConfig(_Strict):
     tokenizer: Optional[str] = None
     split: str = "969,30,1"
     cache_dir: Optional[str] = None
+    # Document masking of packed samples (Megatron-LM's names and semantics; a document ends
+    # with, and includes, the tokenizer's EOD token). reset_attention_mask: a token attends
+    # only to earlier tokens of its own document. reset_position_ids: positions (RoPE or
+    # learned) restart at 0 after each EOD. eod_mask_loss: no loss on positions whose input
+    # is EOD (the prediction of the next document's first token). All off by default: see
+    # the README's "Document masking" for why.
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
 
     @field_validator("split")
     @classmethod

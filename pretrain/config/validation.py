@@ -14,6 +14,7 @@ the problem and the fix.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -130,8 +131,35 @@ def _check_precision(config: ExperimentConfig) -> None:
         raise ConfigError("; ".join(problems))
 
 
+def check_document_masking(config: ExperimentConfig, spec: str) -> None:
+    """Document masking (data.reset_attention_mask / reset_position_ids) the resolved spec can
+    run. `portable`: every layout. `te`: THD packed sequences (models.documents), which reset
+    attention and positions together, at CP 1 (TE's THD context parallelism needs every
+    document padded to a multiple of 2 x CP: not implemented), and one sample per
+    micro-batch under PP (pipeline messages keep the [s, b, h] shape)."""
+    data, layout = config.data, config.parallel
+    if spec != "te" or not (data.reset_attention_mask or data.reset_position_ids):
+        return
+    if data.reset_attention_mask != data.reset_position_ids:
+        raise ConfigError(
+            f"data.reset_attention_mask={str(data.reset_attention_mask).lower()} with data.reset_position_ids="
+            f"{str(data.reset_position_ids).lower()}: the te spec masks documents as packed (THD) sequences, "
+            "which reset both; set both true, or runtime.spec=portable")
+    if layout.context_parallel > 1:
+        raise ConfigError(
+            f"document masking with the te spec at CP={layout.context_parallel} is not supported (TE's THD "
+            "context parallelism needs documents padded to a multiple of 2 x CP); use CP=1 with the te "
+            "spec, or runtime.spec=portable, whose context parallelism masks documents")
+    if layout.pipeline_parallel > 1 and config.schedule.micro_batch_size > 1:
+        raise ConfigError(
+            f"document masking with the te spec at PP={layout.pipeline_parallel} needs "
+            f"schedule.micro_batch_size=1 (got {config.schedule.micro_batch_size}): a packed micro-batch is "
+            "one THD sequence; raise the global batch instead")
+
+
 def check_spec_support(config: ExperimentConfig, spec: str) -> None:
     """Refuse features the (resolved) layer spec cannot run; the message names the fix."""
+    check_document_masking(config, spec)
     if spec != "portable":
         return
     runtime, layout = config.runtime, config.parallel
@@ -242,10 +270,16 @@ def validate_data(config: ExperimentConfig, *, prepare_demo: bool = False):
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"tokenizer {spec!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
                           f"{config.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
+    masking = [k for k in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss") if getattr(data, k)]
+    if masking and tokenizer.eod is None:
+        raise ConfigError(f"data.{masking[0]}=true needs documents ending in an EOD token, but tokenizer "
+                          f"{spec!r} has none; use a tokenizer with an EOS/EOD token or turn it off")
     blend = [tuple(item) for item in data.blend] if data.blend else None
     try:
         if blend:
             check_blend(blend, tokenizer)
+            if masking:
+                _warn_without_eod(blend, tokenizer.eod, masking[0])
     except DatasetConfigError as exc:
         raise ConfigError(f"data.blend: {exc}") from None
     if data.demo:
@@ -267,6 +301,19 @@ def validate_data(config: ExperimentConfig, *, prepare_demo: bool = False):
                           f"{sched.global_batch_size} asks too much of the data: {exc}; lower "
                           "schedule.train_steps or add data") from None
     return tokenizer
+
+
+def _warn_without_eod(blend: list, eod: int, key: str) -> None:
+    """A dataset with no EOD in its first 16M tokens has nothing to mask: say so, with the
+    counts, and go on (masking then changes nothing; it is not an error)."""
+    from data_pipeline.datasets import count_eod
+
+    for _, prefix in blend:
+        found, scanned = count_eod(prefix, eod)
+        if not found:
+            print(f"warning: data.{key}=true but {prefix} has no EOD token (id {eod}) in its first "
+                  f"{scanned:,} tokens: 0 document boundaries to mask (preprocess with --append-eod)",
+                  file=sys.stderr, flush=True)
 
 
 def validate_inputs(config: ExperimentConfig, *, prepare_demo: bool = False) -> None:

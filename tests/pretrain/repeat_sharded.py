@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, list[str]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="repeat-sharded-") as tmp:
         root = Path(tmp)
-        refs = {key: _run(root, f"ref-{key}", key.split("-16")[0], 1, extra) for key, extra in REFERENCE.items()
+        refs = {key: _run(root, f"ref-{key}", recipe, 1, extra) for key, (recipe, extra) in REFERENCE.items()
                 if any(_reference_of(name) == key for name in names)}
         for i in range(args.times):
             for name in names:

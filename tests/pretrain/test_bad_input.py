@@ -34,6 +34,19 @@ def _blend(prefix, weight: float = 1.0) -> list[str]:
     return ["data.mock=false", f"data.blend=[[{weight}, {prefix}]]", f"data.tokenizer={DEMO_TOKENIZER}"]
 
 
+def _no_eod_tokenizer(tmp_path: Path) -> str:
+    """A Hugging Face tokenizer.json with no end-of-document token (none of the EOS names)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate("in the beginning god created".split())}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "no-eod" / "tokenizer.json"
+    path.parent.mkdir()
+    tokenizer.save(str(path))
+    return str(path)
+
+
 def _file(tmp_path: Path) -> Path:
     path = tmp_path / "a-file"
     path.write_text("not a directory\n")
@@ -77,6 +90,9 @@ CASES = {
                                               ["schedule.train_steps"]),
     "train_steps 1e12, real data": (lambda t, d: [*_blend(d), "schedule.train_steps=1000000000000", "--dry-run"],
                                     ["schedule.train_steps", "kjv"]),
+    "document masking, tokenizer without EOD": (lambda t, d: [f"data.tokenizer={_no_eod_tokenizer(t)}",
+                                                              "data.reset_attention_mask=true"],
+                                                 ["data.reset_attention_mask", "EOD", "tokenizer.json"]),
     "optimizer.lr=inf": (lambda t, d: ["optimizer.lr=inf", "--dry-run"], ["optimizer.lr"]),
     "optimizer.lr=nan": (lambda t, d: ["optimizer.lr=nan", "--dry-run"], ["optimizer.lr"]),
     "optimizer.lr negative": (lambda t, d: ["optimizer.lr=-1", "--dry-run"], ["optimizer.lr"]),

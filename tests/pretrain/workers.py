@@ -48,6 +48,17 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False,
         shutdown(barrier=not failed)  # a failed rank's peers may wait in another collective
 
 
+def document_data(root) -> list[str]:
+    """Overrides that train on real text with short documents (data_pipeline's KJV verses,
+    made once under `root`)."""
+    import os
+
+    from data_pipeline.datasets import ensure_verses_dataset
+
+    prefix, tokenizer = ensure_verses_dataset(os.path.join(str(root), "verses"))
+    return ["data.mock=false", "data.demo=false", f"data.blend=[[1.0, {prefix}]]", f"data.tokenizer={tokenizer}"]
+
+
 def _gpt(chunk):
     """The GPTModel inside a DDP wrapper or a Megatron-FSDP one (FSDP -> MegatronFSDP -> GPTModel)."""
     from pretrain.checkpointing.fsdp_state import is_fsdp_chunk

@@ -1,0 +1,145 @@
+"""Document-masked packed samples: attention within each document, RoPE restarting at each.
+
+    from models.documents import DocumentGPTModel   # built by models.build.build_model_chunks
+    loss = chunk(tokens, position_ids, None, labels=labels, document_ids=document_ids)
+
+Pretraining packs documents end to end into fixed-length samples. With Megatron-LM's
+`reset_attention_mask` a token attends only to earlier tokens of its own document; with
+`reset_position_ids` positions restart at 0 after each EOD. The data side carries the
+boundaries cheaply: `position_ids` (restarting, from Megatron's GPTDataset) and
+`document_ids` [b, s] (data_pipeline.datasets.document_ids: the number of EODs before each
+token). Megatron's dataset could instead ship an s x s mask per sample (4096^2 bytes as
+bool, built through an fp32 tril of 64 MiB: README "Document masking" has the numbers);
+we keep that off and build what the attention needs here, once per forward of a chunk:
+
+- `portable` spec, CP 1: a [b, 1, s, s] bool mask (True = hidden: other document or a later
+  token) for Megatron-Core's local DotProductAttention, shared by every layer of the chunk.
+- `portable` spec, CP > 1: each rank holds two of 2 x CP sequence chunks; the key side of
+  its attention is the whole sequence (models.context_parallel all-gathers K/V), so the
+  document ids are all-gathered over the CP group too (an int32 [b, s], no gradient) and
+  the mask is [b, 1, s_local, s] (queries here, keys everywhere); ContextParallelAttention
+  adds its causal part.
+- `te` spec: no mask at all. The micro-batch becomes one packed (THD) sequence of b x s
+  tokens with `cu_seqlens` at every document and sample start, passed through
+  Megatron-Core's `PackedSeqParams`, so Transformer Engine's fused attention runs each
+  document as its own causal sequence, and RoPE restarts at each one (Megatron applies
+  RoPE per packed sequence). So `te` resets attention and positions together.
+
+RoPE and `position_ids` (the one place we change it): Megatron-Core 0.16.1's GPTModel
+ignores `position_ids` for RoPE (`_preprocess` builds the table for 0..s-1 and slices it
+for CP; position_ids reach only learned absolute embeddings). `DocumentGPTModel._preprocess`
+with `reset_position_ids` replaces that table by upstream's own table indexed with the
+batch's position ids ([s, b, 1, d]; under CP the ids are already this rank's chunks, as
+`get_batch_on_this_cp_rank` slices them). Learned absolute embeddings already use them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from models.context_parallel import natural_order
+
+
+def rope_at_positions(rotary: torch.nn.Module, position_ids: Tensor) -> Tensor:
+    """RoPE angles for explicit positions: [b, s] ids -> [s, b, 1, dim].
+
+    Upstream's own table (`RotaryEmbedding.get_emb`: interpolation, interleaving and the
+    Llama-3 scaled `inv_freq` included) for 0..max(position), gathered per token; the
+    unfused `apply_rotary_pos_emb` broadcasts [s, b, 1, d] over the heads."""
+    table = rotary.get_emb(int(position_ids.max()) + 1)  # [P, 1, 1, d]
+    return table[:, 0][position_ids.t().to(table.device)]  # [s, b, 1, d]
+
+
+def local_document_mask(document_ids: Tensor) -> Tensor:
+    """[b, s] document ids -> [b, 1, s, s] bool, True where a query must not see a key
+    (another document, or a later token): the mask Megatron's local attention applies."""
+    s = document_ids.shape[-1]
+    later = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).triu(diagonal=1)
+    other = document_ids[:, None, :, None] != document_ids[:, None, None, :]
+    return other | later
+
+
+def gathered_document_ids(document_ids: Tensor, cp_group) -> Tensor:
+    """This CP rank's [b, s_local] document ids -> the whole sequence's [b, s] in natural
+    order (the ranks' two chunks each, put back as models.context_parallel does for K/V)."""
+    cp = cp_group.size()
+    parts = [torch.empty_like(document_ids) for _ in range(cp)]
+    dist.all_gather(parts, document_ids.contiguous(), group=cp_group)
+    b, local = document_ids.shape
+    chunks = torch.stack(parts, dim=1).view(b, 2 * cp, local // 2)  # gathered chunk order
+    order = torch.tensor(natural_order(cp), device=document_ids.device)
+    return chunks.index_select(1, order).reshape(b, cp * local)
+
+
+def cross_rank_document_mask(document_ids: Tensor, cp_group) -> Tensor:
+    """CP > 1: [b, 1, s_local, s] bool, True where a local query and a key of the whole
+    sequence are in different documents (causality is ContextParallelAttention's part)."""
+    keys = gathered_document_ids(document_ids, cp_group)
+    return document_ids[:, None, :, None] != keys[:, None, None, :]
+
+
+def packed_sequence_params(document_ids: Tensor) -> PackedSeqParams:
+    """THD parameters for a [b, s] micro-batch flattened to one sequence of b x s tokens:
+    a sequence starts at every sample start and wherever the document id changes."""
+    b, s = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    offsets = torch.nonzero(starts.flatten()).flatten()
+    total = torch.tensor([b * s], device=offsets.device)
+    cu_seqlens = torch.cat([offsets, total]).to(torch.int32)
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+class DocumentGPTModel(GPTModel):
+    """Megatron-Core's GPTModel with document masking (see the module docstring).
+
+    `reset_position_ids`: RoPE at the batch's position ids. `packed`: the `te` spec's THD
+    path (`document_ids` become cu_seqlens); otherwise `document_ids` become a bool mask for
+    the portable spec's attention. Without `document_ids` and with neither flag it is
+    GPTModel, bit for bit (same modules, same parameter names, same checkpoints).
+    """
+
+    def __init__(self, *args, reset_position_ids: bool = False, packed: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reset_position_ids = reset_position_ids
+        self.packed = packed
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor],
+                *args, document_ids: Optional[Tensor] = None, **kwargs) -> Tensor:
+        if document_ids is None:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if attention_mask is not None or args or kwargs.get("packed_seq_params") is not None:
+            raise ValueError("document_ids replace attention_mask and packed_seq_params; pass them by "
+                             "keyword (labels=...) and not together")
+        if self.packed:
+            return self._packed_forward(input_ids, position_ids, document_ids, **kwargs)
+        cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
+        mask = (local_document_mask(document_ids) if cp_group is None
+                else cross_rank_document_mask(document_ids, cp_group))
+        return super().forward(input_ids, position_ids, mask, **kwargs)
+
+    def _packed_forward(self, input_ids: Tensor, position_ids: Tensor, document_ids: Tensor, *,
+                        labels: Optional[Tensor] = None, **kwargs) -> Tensor:
+        """`te` spec: [b, s] -> one THD sequence [1, b s]; per-token losses back to [b, s]."""
+        b, s = document_ids.shape
+        flat = (lambda t: None if t is None else t.reshape(1, b * s))  # noqa: E731
+        output = super().forward(flat(input_ids), flat(position_ids), None, labels=flat(labels),
+                                 packed_seq_params=packed_sequence_params(document_ids), **kwargs)
+        return output.reshape(b, s) if labels is not None and self.post_process else output
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        if (self.reset_position_ids and not self.packed and position_ids is not None
+                and self.position_embedding_type == "rope" and out[1] is not None):
+            out = (out[0], rope_at_positions(self.rotary_pos_emb, position_ids), *out[2:])
+        return out
