@@ -19,7 +19,9 @@ way. exp(-inf) = 0, so the padded ids add nothing to the softmax denominator, an
 gradient with respect to their logits (softmax - one-hot) is 0: their output-weight rows get
 no gradient (their embedding rows are never looked up). Logits handed out for inference and
 verification are -inf there too, so no padded id can be sampled; compare logits over
-`[:vocab_size]` (checkpoints_tools.verify does).
+`[:vocab_size]` (checkpoints_tools.verify does). Megatron-Core's label smoothing would average
+log(0) = -inf over the vocabulary: we do not expose it; a change that does must exclude the
+padded ids there too.
 """
 
 from __future__ import annotations

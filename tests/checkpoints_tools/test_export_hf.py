@@ -188,7 +188,9 @@ def test_llama3_rope_values_reach_config_and_logits(trained, tmp_path):
                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **defaults})
     (out / "config.json").write_text(json.dumps(config))
     wrong = (hf_logits(out, 4000) - run.logits[..., :4000]).abs().max().item()
-    assert wrong > 1e-2, f"default RoPE values changed the logits by only {wrong}"
+    # Ten times the tolerance above, so a wrong value cannot pass it (9.7e-3 since padded
+    # vocab ids left the training loss: the trained weights moved a little).
+    assert wrong > 1e-3, f"default RoPE values changed the logits by only {wrong}"
 
 
 def test_export_warns_when_vllm_cpu_cannot_serve_the_head_size(trained, tmp_path, capsys):

@@ -125,8 +125,8 @@ def first_step_and_batch(recipe: str, config_file: str, overrides: list[str]) ->
         history = train_loop(run, run.start_step)
         if not run.log_rank:
             return None
-        return {"loss": history[0].loss,
-                **{key: [mb[key].tolist() for mb in batch] for key in ("tokens", "labels", "loss_mask", "position_ids")}}
+        keys = ("tokens", "labels", "loss_mask", "position_ids")
+        return {"loss": history[0].loss, **{key: [mb[key].tolist() for mb in batch] for key in keys}}
     finally:
         run.writer.close()
         shutdown()
