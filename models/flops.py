@@ -82,6 +82,14 @@ def document_attention_fraction(document_lengths, seq_length: int) -> float:
     return pairs / (seq_length * (seq_length + 1))
 
 
+def packed_attention_fraction(document_length: int, seq_length: int) -> float:
+    """`document_attention_fraction` of a sample packed with documents of `document_length`
+    tokens (the last one cut at the sample's end): the planner's estimate for a corpus whose
+    documents average that length."""
+    full, rest = divmod(seq_length, document_length)
+    return document_attention_fraction([document_length] * full + ([rest] if rest else []), seq_length)
+
+
 def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True,
                             attention_fraction: float = 1.0) -> float:
     """Forward FLOPs for one token (summing every layer and the logits).

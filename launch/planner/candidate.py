@@ -11,6 +11,7 @@ import dataclasses
 from typing import Optional
 
 from models.config import ModelConfig
+from models.flops import packed_attention_fraction
 from models.layout import SHARDING_LEVELS, ParallelLayout
 from models.runtime import DTYPES, DtypeName, Recompute
 from pretrain.config import ExperimentConfig, data_parallel_sharding, microbatches
@@ -50,11 +51,18 @@ class Candidate:
     # Our TransformerConfig sets hidden/attention dropout to 0 (no masks are stored); True
     # reproduces the published analysis, which assumes dropout.
     dropout: bool = False
+    # Document masking (data.reset_attention_mask): the share of the causal attention work that
+    # runs (models.flops.packed_attention_fraction); 1.0 = every token sees its whole prefix.
+    # It shortens the estimated time on the te spec (TE's fused attention skips the masked
+    # blocks); the portable spec computes the full masked score matrix. FLOP/s and MFU stay on
+    # the dense formula, as in metrics.jsonl.
+    attention_fraction: float = 1.0
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig, world_size: int, *, flash_attention: bool | None = None
-                    ) -> "Candidate":
-        """The candidate a config describes; flash attention unless the spec is `portable`.
+    def from_config(cls, config: ExperimentConfig, world_size: int, *, flash_attention: bool | None = None,
+                    document_length: Optional[int] = None) -> "Candidate":
+        """The candidate a config describes; flash attention unless the spec is `portable`;
+        with data.reset_attention_mask, documents of `document_length` tokens on average.
         The sharding keys live in `zero` / `hsdp_replicas` / `offload`; `layout` keeps only
         the model-parallel ones (its sharding keys at their defaults), so one fact has one home."""
         sched = config.schedule
@@ -66,6 +74,8 @@ class Candidate:
             hsdp_replicas=config.parallel.hsdp_replicas, offload=config.optimizer.cpu_offload,
             bucket_size=config.optimizer.bucket_size,
             flash_attention=(config.runtime.spec != "portable") if flash_attention is None else flash_attention,
+            attention_fraction=(packed_attention_fraction(document_length, sched.seq_length)
+                                if config.data.reset_attention_mask and document_length else 1.0),
         )
 
     def apply_to(self, config: ExperimentConfig) -> ExperimentConfig:

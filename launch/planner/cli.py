@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help='print one JSON document {"candidates": [...]} instead of the tables: the --top '
                         "fastest layouts that fit, then the --show-dropped closest that do not, with the reason")
+    p.add_argument("--document-length", type=positive_int, metavar="TOKENS",
+                   help="mean tokens per document, with data.reset_attention_mask=true: attention inside each "
+                        "document does less work (te spec; the estimate's FLOP/s and MFU stay on the dense formula)")
     p.add_argument("--write-override", metavar="FILE.yaml", help="write the best layout as recipe overrides")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, as for python -m pretrain")
     return p
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     offload = {"on": (True,), "off": (False,), "both": (False, True)}[args.offload]
     space = SearchSpace(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                         micro_batch=tuple(args.micro_batch), recompute=tuple(args.recompute),
-                        zero=tuple(args.zero), hsdp=args.hsdp, offload=offload)
+                        zero=tuple(args.zero), hsdp=args.hsdp, offload=offload, document_length=args.document_length)
     memory_options = MemoryOptions(framework_gib=args.framework_gib, fragmentation=args.fragmentation)
     tput = None
     try:
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise PlanError(f"--write-override {args.write_override}: {problem}")
         tput = _overlap_options(args.overlap, args.efficiency)
         config = resolve_config(args.recipe, args.config, overrides)
+        if args.document_length and not config.data.reset_attention_mask:
+            raise PlanError(f"--document-length {args.document_length} estimates document masking, which this config "
+                            "does not train with: add data.reset_attention_mask=true (and reset_position_ids)")
         device = get_device(args.gpu)
         result = rank_layouts(config, world_size=args.gpus, device=device, space=space,
                               memory_options=memory_options, throughput_options=tput)

@@ -20,7 +20,7 @@ from launch.planner.throughput import StepEstimate, ThroughputOptions, estimate_
 from models.config import divisors
 from models.layout import ZERO_STAGES
 from models.runtime import RECOMPUTE_CHOICES
-from pretrain.config import ConfigError, ExperimentConfig, validate_for_world
+from pretrain.config import ConfigError, ExperimentConfig, check_document_masking, validate_for_world
 
 
 class PlanError(ValueError):
@@ -44,6 +44,8 @@ class SearchSpace:
     hsdp: Optional[Sequence[int]] = None
     offload: Sequence[bool] = (False, True)
     max_cp: int = 8
+    # Mean tokens per document, with data.reset_attention_mask (None: no masking estimate).
+    document_length: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +136,7 @@ def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, s
     """Every combination the training accepts, and how many it would reject."""
     from models.layout import ParallelLayout
 
-    base = Candidate.from_config(config, world)
+    base = Candidate.from_config(config, world, document_length=space.document_length)
     valid, invalid = [], 0
     for lay in _layouts(config, world, device, space):
         layout = ParallelLayout(
@@ -150,7 +152,10 @@ def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, s
                     cand = dataclasses.replace(base, layout=layout, micro_batch=mbs, recompute=recompute,
                                                zero=zero, hsdp_replicas=replicas, offload=offload)
                     try:
-                        validate_for_world(cand.apply_to(config), world)
+                        chosen = cand.apply_to(config)
+                        validate_for_world(chosen, world)
+                        # What the spec the plan assumes (te with flash attention) can mask.
+                        check_document_masking(chosen, "te" if cand.flash_attention else "portable")
                     except ConfigError:
                         invalid += 1
                         continue

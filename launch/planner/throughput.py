@@ -88,9 +88,16 @@ class StepEstimate:
 def layer_and_logit_flops(c: Candidate) -> tuple[float, float]:
     """Forward FLOPs per token of one layer (X) and of the logits (Y), read off
     models.flops.forward_flops_per_token F(L) = L X + Y: X = F(2) - F(1), Y = F(1) - X."""
-    one = forward_flops_per_token(c.model.model_copy(update={"num_layers": 1}), c.seq_length)
-    two = forward_flops_per_token(c.model.model_copy(update={"num_layers": 2}), c.seq_length)
+    fraction = _attention_fraction(c)
+    one = forward_flops_per_token(c.model.model_copy(update={"num_layers": 1}), c.seq_length, attention_fraction=fraction)
+    two = forward_flops_per_token(c.model.model_copy(update={"num_layers": 2}), c.seq_length, attention_fraction=fraction)
     return two - one, 2 * one - two
+
+
+def _attention_fraction(c: Candidate) -> float:
+    """The attention work that runs: document masking saves it only where the kernel skips
+    masked blocks (flash/fused attention, te spec); the portable spec computes every score."""
+    return c.attention_fraction if c.flash_attention else 1.0
 
 
 def recompute_flops_per_layer(c: Candidate) -> float:
@@ -101,7 +108,9 @@ def recompute_flops_per_layer(c: Candidate) -> float:
         return layer_and_logit_flops(c)[0]
     if c.recompute == "selective":
         m = c.model
-        return (forward_flops_per_token(m, c.seq_length) - forward_flops_per_token(m, 0)) / m.num_layers
+        fraction = _attention_fraction(c)
+        return (forward_flops_per_token(m, c.seq_length, attention_fraction=fraction)
+                - forward_flops_per_token(m, 0)) / m.num_layers
     return 0.0
 
 

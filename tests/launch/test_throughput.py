@@ -161,3 +161,23 @@ def test_offload_time():
     est = estimate_step(off, host, IDEAL)
     assert est.comm_s["offload"] == pytest.approx(offload_s(off, host, IDEAL))
     assert est.step_s == pytest.approx(estimate_step(cand(world=2), host, IDEAL).step_s + est.comm_s["offload"])
+
+
+def test_document_masking_shortens_only_the_attention_work_the_kernel_skips():
+    """At s=16 a layer's attention scores + weighted values are 2 x 256 x 1/2 = 256 of its 1408
+    forward FLOPs/token (causal). Documents of 4 tokens run 4 x (4 x 5) / (16 x 17) = 80/272 of
+    that: the te spec (flash attention) estimate drops by the rest; the portable spec computes
+    every score; the reported FLOP/s stay on the dense formula."""
+    from models.flops import packed_attention_fraction
+
+    assert packed_attention_fraction(4, 16) == pytest.approx(80 / 272)
+    assert packed_attention_fraction(5, 16) == pytest.approx((3 * 30 + 2) / 272)  # 5, 5, 5 and a cut 1
+    dense = cand(mbs=1, gbs=1)
+    masked = dataclasses.replace(dense, attention_fraction=80 / 272)
+    assert layer_and_logit_flops(masked)[0] == pytest.approx(1408 - 256 * (1 - 80 / 272))
+    portable = dataclasses.replace(masked, flash_attention=False)
+    assert layer_and_logit_flops(portable) == layer_and_logit_flops(dataclasses.replace(dense, flash_attention=False))
+    fast, slow = estimate_step(masked, DEV, IDEAL), estimate_step(dense, DEV, IDEAL)
+    assert fast.compute_s == pytest.approx(slow.compute_s * (3 * (2 * (1408 - 256 * (1 - 80 / 272))) + 3 * 2048)
+                                           / (3 * (2 * 1408) + 3 * 2048))
+    assert fast.tflops_per_gpu * fast.step_s == pytest.approx(slow.tflops_per_gpu * slow.step_s)  # same FLOPs
