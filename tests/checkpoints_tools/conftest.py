@@ -19,6 +19,8 @@ top tokens are clear, and head_dim 32 (4 heads), which vLLM's CPU attention serv
   vllm-gpt:   the tiny-gpt architecture (LayerNorm, GELU, learned positions, biases, MHA,
               tied) -> GPT2LMHeadModel, TP2 x PP2.
   vllm-moe:   tiny-moe (Mixtral-style), TP2 (+SP) x EP2.
+  vllm-docs:  trained with document masking (attention, positions and the EOD loss reset at
+              document boundaries), TP2 x DP2: the export format is the same.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ MODELS.update({
     "vllm-gpt": ("tiny-llama", TP2PP2 + VLLM + GPT),
     "vllm-moe": ("tiny-moe", VLLM + ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
                                      "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"]),
+    "vllm-docs": ("tiny-llama", ["parallel.tensor_parallel=2"] + VLLM
+                  + ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"]),
 })
 LLAMA3_OTHER_VALUES = {"factor": 16.0, "low_freq_factor": 1.5, "high_freq_factor": 6.0,
                        "original_max_position_embeddings": 96}
