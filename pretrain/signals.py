@@ -42,14 +42,15 @@ class StopRequest:
     @contextlib.contextmanager
     def interruptible(self):
         """A long set-up step (checksums, checkpoint loading, dataset indices): a stop signal
-        ends the process at once, with the signal's default action. Those steps run C++
+        (or Ctrl-C) ends the process at once, with the signal's default action. Those steps run C++
         (Megatron's index helpers, torch's readers) and collectives, where a Python handler
         would run only after they return: minutes, or never (a rank waiting in a barrier for
         a peer that spins). Nothing is trained yet, so there is nothing to save."""
         if not self._setting_up or not dist.is_initialized():
             yield  # before the process group the handler already raises at once
             return
-        previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        # SIGINT too: Python's KeyboardInterrupt would also wait for the C++ call to return.
+        previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         try:
             yield
         finally:

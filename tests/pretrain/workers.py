@@ -180,7 +180,7 @@ def stop_during_setup(overrides: list[str], signal_rank: int, at: str) -> dict:
     return {"code": code, "trained": bool(trained)}
 
 
-def stuck_in_dataset_build(overrides: list[str], signal_after_s: float | None = None) -> dict:
+def stuck_in_dataset_build(overrides: list[str], signal_after_s: float | None = None, signame: str = "SIGTERM") -> dict:
     """Run main_train with a dataset build that never ends: rank 0 spins in Python (as
     Megatron-Core's `_get_num_epochs` did on an empty split), the others wait for it in a
     barrier (as for Megatron's index cache). With `signal_after_s`, each rank sends itself
@@ -198,7 +198,7 @@ def stuck_in_dataset_build(overrides: list[str], signal_after_s: float | None = 
 
     def build(*args, **kwargs):
         if signal_after_s is not None:
-            threading.Timer(signal_after_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            threading.Timer(signal_after_s, os.kill, (os.getpid(), getattr(signal, signame))).start()
         while rank == 0:
             pass
         dist.barrier()
