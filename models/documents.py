@@ -141,5 +141,19 @@ class DocumentGPTModel(GPTModel):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
         if (self.reset_position_ids and not self.packed and position_ids is not None
                 and self.position_embedding_type == "rope" and out[1] is not None):
+            _check_rotary_slot(out, position_ids)
             out = (out[0], rope_at_positions(self.rotary_pos_emb, position_ids), *out[2:])
         return out
+
+
+def _check_rotary_slot(out, position_ids: Tensor) -> None:
+    """Guard for the override above, written against megatron-core 0.16.1: GPTModel._preprocess
+    returns a tuple whose second item is the RoPE table [s_local, 1, 1, d] of 0..s-1. If upstream
+    moves or reshapes it, replacing that item would train with wrong positions: fail instead."""
+    table = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+    if not (isinstance(table, Tensor) and table.dim() == 4 and table.shape[0] == position_ids.shape[1]
+            and table.shape[1:3] == (1, 1)):
+        raise RuntimeError(
+            "models/documents.py: GPTModel._preprocess no longer returns the RoPE table [s, 1, 1, d] as its "
+            f"second item (got {type(table).__name__} {getattr(table, 'shape', '')}); reset_position_ids was "
+            "written for megatron-core 0.16.1: re-check DocumentGPTModel._preprocess against the new upstream")
