@@ -1,4 +1,4 @@
-"""A real single-node Slurm cluster on this machine: for CI, and for trying launch.slurm.
+"""A real Slurm cluster on this machine (one node, or N as network namespaces): CI and trying launch.slurm.
 
     python -m launch.launchers.ci_cluster install   # apt-get the Debian packages (root)
     python -m launch.launchers.ci_cluster start     # start munged + slurmctld + slurmd; prints SLURM_CONF
@@ -10,6 +10,8 @@ Everything (munge key and socket, slurm.conf, spool, state, logs, PID files) liv
 one directory (--dir, default $PRETRAIN_SLURM_DIR or /tmp/pretrain-slurm), so several
 checkouts on one machine share one cluster and `start` reuses a running one. There is no
 systemd here: the daemons are started in the background and stopped by their recorded PID.
+
+    python -m launch.launchers.ci_cluster start --nodes 2   # N nodes: launch/launchers/ci_multinode.py
 """
 
 from __future__ import annotations
@@ -100,24 +102,43 @@ def ping(paths: ClusterPaths) -> bool:
     return out.returncode == 0 and any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states)
 
 
-def _node_line(slots: int) -> str:
-    """slurm.conf's node line: NodeName must be this host's short name (what slurmd checks)."""
+def probe_node(slots: int) -> tuple[int, str]:
+    """(CPUs, RealMemory) for slurm.conf: what `slurmd -C` finds, at least `slots` CPUs."""
     probe = subprocess.run([_binary("slurmd"), "-C"], capture_output=True, text=True, check=True)
     fields = dict(item.split("=", 1) for item in probe.stdout.split() if "=" in item)
-    cpus = max(int(fields.get("CPUs", 1)), slots)
-    memory = fields.get("RealMemory", "1")
+    return max(int(fields.get("CPUs", 1)), slots), fields.get("RealMemory", "1")
+
+
+def _node_line(slots: int) -> str:
+    """slurm.conf's node line: NodeName must be this host's short name (what slurmd checks)."""
+    cpus, memory = probe_node(slots)
     return f"NodeName={socket.gethostname().split('.')[0]} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN"
 
 
-def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
-    for sub in ("log", "spool", "state", "munge"):
-        (paths.root / sub).mkdir(parents=True, exist_ok=True)
+def munge_setup(paths: ClusterPaths) -> None:
+    """The munge directory and key (created once)."""
+    paths.munge_dir.mkdir(parents=True, exist_ok=True)
     # munged refuses a socket directory others cannot enter and a key others can read.
     os.chmod(paths.munge_dir, 0o755)
     key = paths.munge_dir / "munge.key"
     if not key.exists():
         subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}"], check=True)
     os.chmod(key, 0o600)
+
+
+def start_munged(paths: ClusterPaths) -> None:
+    munge = paths.munge_dir
+    _start_daemon(paths, "munged", [
+        _binary("munged"), "--force", f"--socket={paths.munge_socket}",
+        f"--key-file={munge / 'munge.key'}", f"--pid-file={paths.pid_file('munged')}",
+        f"--log-file={paths.log_file('munged')}", f"--seed-file={munge / 'munge.seed'}"])
+    _wait_for(paths.munge_socket.exists, "munged", paths)
+
+
+def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
+    for sub in ("log", "spool", "state"):
+        (paths.root / sub).mkdir(parents=True, exist_ok=True)
+    munge_setup(paths)
     root = paths.root
     paths.conf.write_text("\n".join([
         "# Single-node test cluster written by launch/slurm_cluster.py.",
@@ -189,12 +210,7 @@ def start(paths: ClusterPaths, slots: int = MIN_SLOTS) -> bool:
             return False
         stop(paths)  # leftovers of a half-started cluster hold the ports
         write_config(paths, slots)
-        munge = paths.munge_dir
-        _start_daemon(paths, "munged", [
-            _binary("munged"), "--force", f"--socket={paths.munge_socket}",
-            f"--key-file={munge / 'munge.key'}", f"--pid-file={paths.pid_file('munged')}",
-            f"--log-file={paths.log_file('munged')}", f"--seed-file={munge / 'munge.seed'}"])
-        _wait_for(paths.munge_socket.exists, "munged", paths)
+        start_munged(paths)
         # -c: start from a clean state (no jobs of an earlier test cluster are resurrected).
         _start_daemon(paths, "slurmctld", [_binary("slurmctld"), "-c", "-f", str(paths.conf)])
         _start_daemon(paths, "slurmd", [_binary("slurmd"), "-f", str(paths.conf)])
@@ -249,17 +265,30 @@ def _locked(paths: ClusterPaths):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.launchers.ci_cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["install", "start", "status", "stop"])
-    parser.add_argument("--dir", default=DEFAULT_DIR, help="cluster directory (default %(default)s)")
-    parser.add_argument("--slots", type=int, default=MIN_SLOTS, help="task slots on the node")
+    parser.add_argument("action", choices=["install", "start", "status", "stop", *MULTINODE_FAULTS])
+    parser.add_argument("--dir", help=f"cluster directory (default {DEFAULT_DIR}; with --nodes > 1 or a "
+                        "fault action $PRETRAIN_MULTINODE_DIR or /tmp/pretrain-multinode)")
+    parser.add_argument("--slots", type=int, default=MIN_SLOTS, help="task slots on the single node")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes; > 1: one network namespace each (root)")
+    parser.add_argument("--node", type=int, help="the node (1..N) a fault action acts on")
+    parser.add_argument("--prefix", help="multi-node: link/namespace name prefix (default: from --dir)")
+    parser.add_argument("--subnet", help="multi-node: the /24's first three numbers, e.g. 10.77.0 (default: from --dir)")
     args = parser.parse_args(argv)
-    paths = ClusterPaths(Path(args.dir).resolve())
+    if args.nodes < 1:
+        parser.error(f"--nodes {args.nodes} must be at least 1")
+    if args.action in MULTINODE_FAULTS and args.node is None:
+        parser.error(f"{args.action} needs --node I (1..N)")
     try:
         if args.action == "install":
             if missing_binaries():
                 install_packages()
             print("slurm installed:", ", ".join(_binary(n) for n in DAEMONS))
-        elif args.action == "start":
+            return 0
+        multi = _multinode_dir(args)
+        if multi is not None:
+            return _main_multinode(args, multi)
+        paths = ClusterPaths(Path(args.dir or DEFAULT_DIR).resolve())
+        if args.action == "start":
             started = start(paths, args.slots)
             print(f"{'started' if started else 'already running'}: export SLURM_CONF={paths.conf}")
         elif args.action == "status":
@@ -269,8 +298,52 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("stopped:", ", ".join(stop(paths)) or "nothing was running")
     except (SlurmUnavailable, subprocess.CalledProcessError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        detail = f" ({exc.stderr.strip()})" if getattr(exc, "stderr", None) else ""
+        print(f"error: {exc}{detail}", file=sys.stderr)
         return 1
+    return 0
+
+
+MULTINODE_FAULTS = ("crash", "cut", "heal", "restart-slurmd")
+
+
+def _multinode_dir(args: argparse.Namespace) -> Path | None:
+    """The multi-node cluster's directory when this command is about one, else None."""
+    from launch.launchers import ci_multinode
+
+    if args.dir is not None:
+        root = Path(args.dir).resolve()
+        if args.nodes > 1 or args.action in MULTINODE_FAULTS or (root / ci_multinode.STATE_NAME).exists():
+            return root
+        return None
+    if args.nodes > 1 or args.action in MULTINODE_FAULTS:
+        return Path(ci_multinode.DEFAULT_DIR).resolve()
+    return None
+
+
+def _main_multinode(args: argparse.Namespace, root: Path) -> int:
+    from launch.launchers import ci_multinode
+
+    if args.action == "start":
+        layout = ci_multinode.derive_layout(root, args.nodes, args.prefix, args.subnet)
+        started = ci_multinode.start(layout)
+        running = ci_multinode.load_layout(root)
+        print(f"{'started' if started else 'already running'}: {running.nodes} nodes\n"
+              + ci_multinode.describe(running))
+        return 0
+    if args.action == "stop":
+        print("stopped:", ", ".join(ci_multinode.stop(root)) or "nothing was running")
+        return 0
+    layout = ci_multinode.load_layout(root)
+    if layout is None:
+        print(f"down: no multi-node cluster in {root}", file=sys.stderr)
+        return 1
+    if args.action == "status":
+        up = ci_multinode.ping(layout)
+        print(f"{'up' if up else 'degraded'}: {layout.nodes} nodes\n" + ci_multinode.describe(layout))
+        return 0 if up else 1
+    result = ci_multinode.FAULTS[args.action](layout, args.node)
+    print(f"{args.action} node {args.node}" + (f": {result} process(es) killed" if result is not None else ""))
     return 0
 
 
