@@ -31,6 +31,8 @@ from pathlib import Path
 
 DEFAULT_DIR = os.environ.get("PRETRAIN_SLURM_DIR", "/tmp/pretrain-slurm")
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
+# The multi-node cluster's network namespaces and veths (`ip`); nsenter/unshare are in util-linux.
+NETWORK_PACKAGES = ["iproute2"]
 DAEMONS = ["munged", "slurmctld", "slurmd"]
 CLIENTS = ["sbatch", "srun", "scontrol", "sinfo", "scancel"]
 # Task slots on the node. CPU-mode test jobs run more ranks than this machine has cores
@@ -80,7 +82,7 @@ def install_packages() -> None:
         raise SlurmUnavailable("installing Slurm needs root (apt-get); run as root or use sudo")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES, *NETWORK_PACKAGES],
                    check=True, env=env)
 
 
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.action} needs --node I (1..N)")
     try:
         if args.action == "install":
-            if missing_binaries():
+            if missing_binaries() or shutil.which("ip") is None:
                 install_packages()
             print("slurm installed:", ", ".join(_binary(n) for n in DAEMONS))
             return 0
