@@ -28,6 +28,7 @@ from pretrain.metrics import (
     info,
     peak_memory_gb,
 )
+from pretrain.netcheck import check_network, log_placement
 from pretrain.runtime import collective_device, init_distributed, is_logging_rank, read_dist_env, world_size_from_env
 from pretrain.checkpointing import checkpointer as checkpoint
 from pretrain.checkpointing.format import CheckpointMeta
@@ -69,6 +70,7 @@ def setup(config: ExperimentConfig) -> Run:
     # Before any process group: layout and batch, what the spec `auto` resolves to here can
     # run, the paths the run writes and the data it reads.
     spec = validate_before_start(config, world_size, prepare_demo=True)
+    check_network()  # loopback hostname or a missing interface: refused before the rendezvous
     rank = read_dist_env().rank
     step_profiler.check_writable(config, rank)  # before training starts
     resume = plan_resume(config, print)  # bad or clashing checkpoints fail here
@@ -90,6 +92,9 @@ def _setup_distributed(config: ExperimentConfig, world_size: int, spec: str, res
     watchdog.setup_phase("process group (rendezvous)")
     enable_flight_recorder(config.watchdog)  # read when the process groups are created
     env = init_distributed(config.parallel, seed=config.runtime.seed)
+    if world_size > 1:
+        layout = config.parallel
+        log_placement({"CP": layout.context_parallel, "EP": layout.expert_parallel}, info)
     stop.check_setup()
     watchdog.setup_phase("checkpoint checksums")
     with stop.interruptible():

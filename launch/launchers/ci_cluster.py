@@ -1,4 +1,4 @@
-"""A real single-node Slurm cluster on this machine: for CI, and for trying launch.slurm.
+"""A real Slurm cluster on this machine (one node, or N as network namespaces): CI and trying launch.slurm.
 
     python -m launch.launchers.ci_cluster install   # apt-get the Debian packages (root)
     python -m launch.launchers.ci_cluster start     # start munged + slurmctld + slurmd; prints SLURM_CONF
@@ -10,6 +10,8 @@ Everything (munge key and socket, slurm.conf, spool, state, logs, PID files) liv
 one directory (--dir, default $PRETRAIN_SLURM_DIR or /tmp/pretrain-slurm), so several
 checkouts on one machine share one cluster and `start` reuses a running one. There is no
 systemd here: the daemons are started in the background and stopped by their recorded PID.
+
+    python -m launch.launchers.ci_cluster start --nodes 2   # N nodes: launch/launchers/ci_multinode.py
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pathlib import Path
 
 DEFAULT_DIR = os.environ.get("PRETRAIN_SLURM_DIR", "/tmp/pretrain-slurm")
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
+# The multi-node cluster's network namespaces and veths (`ip`); nsenter/unshare are in util-linux.
+NETWORK_PACKAGES = ["iproute2"]
 DAEMONS = ["munged", "slurmctld", "slurmd"]
 CLIENTS = ["sbatch", "srun", "scontrol", "sinfo", "scancel"]
 # Task slots on the node. CPU-mode test jobs run more ranks than this machine has cores
@@ -78,7 +82,7 @@ def install_packages() -> None:
         raise SlurmUnavailable("installing Slurm needs root (apt-get); run as root or use sudo")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES, *NETWORK_PACKAGES],
                    check=True, env=env)
 
 
@@ -100,24 +104,66 @@ def ping(paths: ClusterPaths) -> bool:
     return out.returncode == 0 and any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states)
 
 
-def _node_line(slots: int) -> str:
-    """slurm.conf's node line: NodeName must be this host's short name (what slurmd checks)."""
+def probe_node(slots: int) -> tuple[int, str]:
+    """(CPUs, RealMemory) for slurm.conf: what `slurmd -C` finds, at least `slots` CPUs."""
     probe = subprocess.run([_binary("slurmd"), "-C"], capture_output=True, text=True, check=True)
     fields = dict(item.split("=", 1) for item in probe.stdout.split() if "=" in item)
-    cpus = max(int(fields.get("CPUs", 1)), slots)
-    memory = fields.get("RealMemory", "1")
+    return max(int(fields.get("CPUs", 1)), slots), fields.get("RealMemory", "1")
+
+
+def _node_line(slots: int) -> str:
+    """slurm.conf's node line: NodeName must be this host's short name (what slurmd checks)."""
+    cpus, memory = probe_node(slots)
     return f"NodeName={socket.gethostname().split('.')[0]} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN"
 
 
-def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
-    for sub in ("log", "spool", "state", "munge"):
-        (paths.root / sub).mkdir(parents=True, exist_ok=True)
+def munge_setup(paths: ClusterPaths) -> None:
+    """The munge directory and key (created once)."""
+    paths.munge_dir.mkdir(parents=True, exist_ok=True)
     # munged refuses a socket directory others cannot enter and a key others can read.
     os.chmod(paths.munge_dir, 0o755)
     key = paths.munge_dir / "munge.key"
     if not key.exists():
         subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}"], check=True)
     os.chmod(key, 0o600)
+
+
+def start_munged(paths: ClusterPaths) -> None:
+    munge = paths.munge_dir
+    _start_daemon(paths, "munged", [
+        _binary("munged"), "--force", f"--socket={paths.munge_socket}",
+        f"--key-file={munge / 'munge.key'}", f"--pid-file={paths.pid_file('munged')}",
+        f"--log-file={paths.log_file('munged')}", f"--seed-file={munge / 'munge.seed'}"])
+    _wait_for(paths.munge_socket.exists, "munged", paths)
+
+
+# slurm.conf lines both test clusters (one node, or N: ci_multinode) share.
+SCHEDULING = (
+    # pgid: a job's background children die with it (linuxproc would let them outlive it);
+    # no cgroup plugins: the multi-node cluster's nodes share one cgroup tree.
+    "ProctrackType=proctrack/pgid",
+    "TaskPlugin=task/none",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_CPU",
+    "SchedulerType=sched/builtin",
+    # Look for runnable jobs every 2 s (default 60): a requeued job starts when eligible.
+    "SchedulerParameters=sched_interval=2",
+    "MpiDefault=none",
+    "ReturnToService=2",
+    # No accounting daemon: `scontrol show job` is the record; keep finished jobs an hour.
+    "MinJobAge=3600",
+    "JobAcctGatherType=jobacct_gather/none",
+    "AccountingStorageType=accounting_storage/none",
+    # The node line declares more CPUs (task slots) than the machine has; accept it.
+    "SlurmdParameters=config_overrides",
+    "KillWait=30",
+)
+
+
+def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
+    for sub in ("log", "spool", "state"):
+        (paths.root / sub).mkdir(parents=True, exist_ok=True)
+    munge_setup(paths)
     root = paths.root
     paths.conf.write_text("\n".join([
         "# Single-node test cluster written by launch/slurm_cluster.py.",
@@ -134,23 +180,7 @@ def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
         f"SlurmdPidFile={paths.pid_file('slurmd')}",
         f"SlurmctldLogFile={paths.log_file('slurmctld')}",
         f"SlurmdLogFile={paths.log_file('slurmd')}",
-        # pgid: a job's background children die with it (linuxproc would let them outlive it).
-        "ProctrackType=proctrack/pgid",
-        "TaskPlugin=task/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "SchedulerType=sched/builtin",
-        # Look for runnable jobs every 2 s (default 60): a requeued job starts when eligible.
-        "SchedulerParameters=sched_interval=2",
-        "MpiDefault=none",
-        "ReturnToService=2",
-        # No accounting daemon: `scontrol show job` is the record; keep finished jobs an hour.
-        "MinJobAge=3600",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        # The node line declares more CPUs (task slots) than the machine has; accept it.
-        "SlurmdParameters=config_overrides",
-        "KillWait=30",
+        *SCHEDULING,
         _node_line(slots),
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         "",
@@ -189,12 +219,7 @@ def start(paths: ClusterPaths, slots: int = MIN_SLOTS) -> bool:
             return False
         stop(paths)  # leftovers of a half-started cluster hold the ports
         write_config(paths, slots)
-        munge = paths.munge_dir
-        _start_daemon(paths, "munged", [
-            _binary("munged"), "--force", f"--socket={paths.munge_socket}",
-            f"--key-file={munge / 'munge.key'}", f"--pid-file={paths.pid_file('munged')}",
-            f"--log-file={paths.log_file('munged')}", f"--seed-file={munge / 'munge.seed'}"])
-        _wait_for(paths.munge_socket.exists, "munged", paths)
+        start_munged(paths)
         # -c: start from a clean state (no jobs of an earlier test cluster are resurrected).
         _start_daemon(paths, "slurmctld", [_binary("slurmctld"), "-c", "-f", str(paths.conf)])
         _start_daemon(paths, "slurmd", [_binary("slurmd"), "-f", str(paths.conf)])
@@ -249,17 +274,30 @@ def _locked(paths: ClusterPaths):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.launchers.ci_cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["install", "start", "status", "stop"])
-    parser.add_argument("--dir", default=DEFAULT_DIR, help="cluster directory (default %(default)s)")
-    parser.add_argument("--slots", type=int, default=MIN_SLOTS, help="task slots on the node")
+    parser.add_argument("action", choices=["install", "start", "status", "stop", *MULTINODE_FAULTS])
+    parser.add_argument("--dir", help=f"cluster directory (default {DEFAULT_DIR}; with --nodes > 1 or a "
+                        "fault action $PRETRAIN_MULTINODE_DIR or /tmp/pretrain-multinode)")
+    parser.add_argument("--slots", type=int, default=MIN_SLOTS, help="task slots on the single node")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes; > 1: one network namespace each (root)")
+    parser.add_argument("--node", type=int, help="the node (1..N) a fault action acts on")
+    parser.add_argument("--prefix", help="multi-node: link/namespace name prefix (default: from --dir)")
+    parser.add_argument("--subnet", help="multi-node: the /24's first three numbers, e.g. 10.77.0 (default: from --dir)")
     args = parser.parse_args(argv)
-    paths = ClusterPaths(Path(args.dir).resolve())
+    if args.nodes < 1:
+        parser.error(f"--nodes {args.nodes} must be at least 1")
+    if args.action in MULTINODE_FAULTS and args.node is None:
+        parser.error(f"{args.action} needs --node I (1..N)")
     try:
         if args.action == "install":
-            if missing_binaries():
+            if missing_binaries() or shutil.which("ip") is None:
                 install_packages()
             print("slurm installed:", ", ".join(_binary(n) for n in DAEMONS))
-        elif args.action == "start":
+            return 0
+        multi = _multinode_dir(args)
+        if multi is not None:
+            return _main_multinode(args, multi)
+        paths = ClusterPaths(Path(args.dir or DEFAULT_DIR).resolve())
+        if args.action == "start":
             started = start(paths, args.slots)
             print(f"{'started' if started else 'already running'}: export SLURM_CONF={paths.conf}")
         elif args.action == "status":
@@ -269,8 +307,52 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("stopped:", ", ".join(stop(paths)) or "nothing was running")
     except (SlurmUnavailable, subprocess.CalledProcessError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        detail = f" ({exc.stderr.strip()})" if getattr(exc, "stderr", None) else ""
+        print(f"error: {exc}{detail}", file=sys.stderr)
         return 1
+    return 0
+
+
+MULTINODE_FAULTS = ("crash", "cut", "heal", "restart-slurmd")
+
+
+def _multinode_dir(args: argparse.Namespace) -> Path | None:
+    """The multi-node cluster's directory when this command is about one, else None."""
+    from launch.launchers import ci_multinode
+
+    if args.dir is not None:
+        root = Path(args.dir).resolve()
+        if args.nodes > 1 or args.action in MULTINODE_FAULTS or (root / ci_multinode.STATE_NAME).exists():
+            return root
+        return None
+    if args.nodes > 1 or args.action in MULTINODE_FAULTS:
+        return Path(ci_multinode.DEFAULT_DIR).resolve()
+    return None
+
+
+def _main_multinode(args: argparse.Namespace, root: Path) -> int:
+    from launch.launchers import ci_multinode
+
+    if args.action == "start":
+        layout = ci_multinode.derive_layout(root, args.nodes, args.prefix, args.subnet)
+        started = ci_multinode.start(layout)
+        running = ci_multinode.load_layout(root)
+        print(f"{'started' if started else 'already running'}: {running.nodes} nodes\n"
+              + ci_multinode.describe(running))
+        return 0
+    if args.action == "stop":
+        print("stopped:", ", ".join(ci_multinode.stop(root)) or "nothing was running")
+        return 0
+    layout = ci_multinode.load_layout(root)
+    if layout is None:
+        print(f"down: no multi-node cluster in {root}", file=sys.stderr)
+        return 1
+    if args.action == "status":
+        up = ci_multinode.ping(layout)
+        print(f"{'up' if up else 'degraded'}: {layout.nodes} nodes\n" + ci_multinode.describe(layout))
+        return 0 if up else 1
+    result = ci_multinode.FAULTS[args.action](layout, args.node)
+    print(f"{args.action} node {args.node}" + (f": {result} process(es) killed" if result is not None else ""))
     return 0
 
 
