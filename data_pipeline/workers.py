@@ -24,12 +24,12 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from data_pipeline.processes import die_with_parent, get_unless_orphaned
-from data_pipeline.sources import BadRecord, Chunk, check_text, iter_records
+from data_pipeline.sources import BadRecord, Chunk, FileRange, InputError, check_text, iter_records
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,12 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
     is a data_pipeline.tokenizers Tokenizer or a fast_encoders.GigatokenEncoder: one
     `encode_documents` call per chunk, which writes the ids straight into the output dtype."""
     result = ChunkResult(chunk.seq, chunk.source, chunk.disk_bytes)
+    if isinstance(chunk.payload, FileRange):  # read here, not piped from the main process
+        try:
+            chunk = replace(chunk, payload=chunk.payload.read())
+        except InputError as err:
+            result.fatal = str(err)  # the main process names the file
+            return result
     texts, numbers, text_bytes = [], [], 0
     for number, text in iter_records(chunk, config.text_field):
         try:
