@@ -97,12 +97,12 @@ class Tokenizer(ABC):
         """`encode` as a NumPy integer array; overridden where the library returns arrays."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
-    def encode_documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Every text's ids end to end, and each text's count (the preprocess workers' call;
-        fast_encoders.GigatokenEncoder has the same)."""
-        arrays = [self.encode_array(text) for text in texts]
-        lengths = np.array([len(ids) for ids in arrays], dtype=np.int64)
-        return (np.concatenate(arrays) if arrays else np.empty(0, np.int64)), lengths
+    def encode_documents(self, texts: list[str], dtype=np.int64,
+                         eod: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every text's ids end to end as `dtype`, each followed by `eod` unless None, and
+        each text's count (with its eod): the preprocess workers' call, one per chunk
+        (fast_encoders.GigatokenEncoder has the same)."""
+        return join_documents([self.encode_array(text) for text in texts], dtype, eod)
 
     def pieces(self, text: str) -> list[str]:
         """The parts the reference encodes one by one (their ids end to end are the text's)."""
@@ -335,6 +335,20 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+
+def join_documents(arrays: list[np.ndarray], dtype, eod: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """`arrays` end to end as `dtype`, `eod` after each unless None, and their lengths (eod
+    included): one copy, casting as it goes (ids < vocab size fit the output dtype: see
+    indexed_writer.token_dtype), instead of a concatenate, an astype and an insert."""
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    if eod is not None:
+        end = np.array([eod], dtype=dtype)
+        arrays = [part for ids in arrays for part in (ids, end)]
+        lengths += 1
+    if not arrays:
+        return np.empty(0, dtype), lengths
+    return np.concatenate(arrays, dtype=dtype, casting="unsafe"), lengths
 
 
 def absolute_spec(spec: str) -> str:

@@ -10,8 +10,8 @@ Worker model: `--workers N` is N processes, each encoding on one thread, with
 either encoder. gigatoken could instead spread one process's batches over Rust
 threads, but the JSON parsing and the checks of every record are Python and
 would stay on one core in that process; as processes they scale with the rest.
-gigatoken is called with parallel=False, so its thread pool never starts (and a
-fork cannot inherit a pool without its threads). The benchmark measures both
+gigatoken encodes one document per call, on the calling thread, so its thread pool
+never starts (and a fork cannot inherit a pool without its threads). The benchmark measures both
 (t2:gigatoken against a2:gigatoken; README).
 """
 
@@ -24,12 +24,12 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from data_pipeline.processes import die_with_parent, get_unless_orphaned
-from data_pipeline.sources import BadRecord, Chunk, check_text, iter_records
+from data_pipeline.sources import BadRecord, Chunk, FileRange, InputError, check_text, iter_records
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,14 @@ def too_long(size: int, limit: int) -> str:
 def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult:
     """Documents of one chunk as one token array plus per-document lengths. `tokenizer`
     is a data_pipeline.tokenizers Tokenizer or a fast_encoders.GigatokenEncoder: one
-    `encode_documents` call per chunk, so a Rust encoder is entered once per ~1 MiB."""
+    `encode_documents` call per chunk, which writes the ids straight into the output dtype."""
     result = ChunkResult(chunk.seq, chunk.source, chunk.disk_bytes)
+    if isinstance(chunk.payload, FileRange):  # read here, not piped from the main process
+        try:
+            chunk = replace(chunk, payload=chunk.payload.read())
+        except InputError as err:
+            result.fatal = str(err)  # the main process names the file
+            return result
     texts, numbers, text_bytes = [], [], 0
     for number, text in iter_records(chunk, config.text_field):
         try:
@@ -83,16 +89,11 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
         texts.append(text)
         numbers.append(number)
     try:
-        tokens, lengths = tokenizer.encode_documents(texts)
+        # Straight into the output dtype, EOD included: one copy of the ids.
+        tokens, lengths = tokenizer.encode_documents(texts, np.dtype(config.dtype), config.append_eod)
     except Exception:  # a tokenizer bug or limit: find and name the record that hit it
         result.fatal = _failing_record(chunk, tokenizer, texts, numbers)
         return result
-    dtype = np.dtype(config.dtype)
-    # Straight into the output dtype (ids < vocab size always fit it: see token_dtype).
-    tokens = tokens.astype(dtype, casting="unsafe", copy=False)
-    if config.append_eod is not None:
-        tokens = np.insert(tokens, np.cumsum(lengths), np.array(config.append_eod).astype(dtype))
-        lengths = lengths + 1
     result.tokens = tokens
     result.lengths = lengths.astype(np.int32)
     result.text_bytes = text_bytes

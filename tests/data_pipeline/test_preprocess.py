@@ -4,6 +4,7 @@ input format, worker count or chunking, per-input outputs, re-runs, and the CLI.
 from __future__ import annotations
 
 import filecmp
+import gzip
 import json
 
 import numpy as np
@@ -146,3 +147,30 @@ def test_spawned_workers_write_the_same_bytes_as_forked_ones(tmp_path, corpus, m
     monkeypatch.setattr(workers, "default_start_method", lambda: "spawn")
     preprocess([corpus], tokenizer=DEMO, output_prefix=str(tmp_path / "spawned"), workers=2)
     assert same_bytes(str(tmp_path / "forked"), str(tmp_path / "spawned"))
+
+
+def test_plain_jsonl_ranges_cut_like_gzip_chunks_and_notice_a_changed_file(tmp_path, texts):
+    """A plain .jsonl's chunks are byte ranges the workers read (sources.FileRange): the same
+    boundaries, line numbers and bytes as the .gz reader's, with lines longer than a chunk
+    and an unterminated last line; a file changed under a range is named, not misread."""
+    from data_pipeline.sources import FileRange, iter_chunks, resolve_inputs
+    from data_pipeline.workers import WorkerConfig, tokenize_chunk
+
+    lines = [json.dumps({"text": t}) for t in texts[:40] + ["x" * 5000] + texts[40:60]]
+    raw = ("\n".join(lines)).encode()  # no trailing newline
+    plain, gz = tmp_path / "a.jsonl", tmp_path / "a.jsonl.gz"
+    plain.write_bytes(raw)
+    gz.write_bytes(gzip.compress(raw))
+    for size in (100, 4096, 1 << 20):
+        ranges = list(iter_chunks(resolve_inputs([str(plain)]), size, "text"))
+        chunks = list(iter_chunks(resolve_inputs([str(gz)]), size, "text"))
+        assert len(ranges) == len(chunks)
+        for r, c in zip(ranges, chunks, strict=True):
+            assert isinstance(r.payload, FileRange)
+            assert (r.first_record, r.payload.read()) == (c.first_record, c.payload)
+        assert sum(r.disk_bytes for r in ranges) == len(raw)
+        if size == 100:
+            first = ranges[0]  # ends with a newline
+    plain.write_bytes(raw.replace(b"\n", b" ", 3))  # same size, lines moved
+    result = tokenize_chunk(first, None, WorkerConfig("text", "uint16", None, False))
+    assert result.fatal.startswith("changed while it was being read (bytes 0 to ")
