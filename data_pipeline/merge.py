@@ -42,8 +42,9 @@ def resolve_prefixes(patterns: list[str]) -> list[str]:
 
 
 def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
-          progress: bool = False, console=None) -> dict:
-    """Merge `inputs` (prefixes or globs) into output_prefix; returns the manifest written."""
+          progress: bool = False, console=None, documents_required: bool = False) -> dict:
+    """Merge `inputs` (prefixes or globs) into output_prefix; returns the manifest written.
+    `documents_required`: refuse inputs that hold no document at all (as preprocess does)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
@@ -83,6 +84,8 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
     if len({t["sha256"] for t, _ in tokenizers.values()}) > 1:
         listing = ", ".join(f"{p} ({spec})" for p, (_, spec) in tokenizers.items())
         raise MergeError(f"inputs were made by different tokenizers: {listing}")
+    if documents_required and documents == 0:
+        raise MergeError(f"no documents in {', '.join(prefixes)}: every record was skipped or empty")
     if output_exists(output_prefix) and not overwrite:
         raise MergeError(f"{output_prefix}.bin/.idx already exist; pass --overwrite to replace them")
 

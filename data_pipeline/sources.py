@@ -143,10 +143,14 @@ def iter_chunks(sources: list[InputFile], chunk_bytes: int, text_field: str) -> 
             raise InputError(f"{source.path}: read failed ({err})") from err
 
 
-def _jsonl_chunks(path: str, chunk_bytes: int):
+def _jsonl_chunks(path: str, chunk_bytes: int, offset: int = 0, line_no: int = 1):
+    """(first line number, whole lines, disk bytes) from byte `offset` of a plain file
+    (which must start line `line_no`); gzip files are read from the start."""
     with open(path, "rb") as raw:
         stream = gzip.GzipFile(fileobj=raw) if path.lower().endswith(".gz") else raw
-        line_no, carry, reported = 1, b"", 0
+        if offset:
+            raw.seek(offset)
+        carry, reported = b"", offset
         while True:
             block = stream.read(chunk_bytes)
             data = carry + block if carry else block
@@ -165,7 +169,10 @@ def _jsonl_chunks(path: str, chunk_bytes: int):
             line_no += payload.count(b"\n")
 
 
-def _parquet_chunks(path: str, chunk_bytes: int, text_field: str):
+def _parquet_chunks(path: str, chunk_bytes: int, text_field: str, row_groups: list[int] | None = None,
+                    first: int = 1):
+    """(first row number, string array, disk bytes); `row_groups`: only these (the first of
+    them starting at row `first`)."""
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -176,8 +183,8 @@ def _parquet_chunks(path: str, chunk_bytes: int, text_field: str):
     # also bounded by one row group, which pyarrow decodes whole.
     batch_rows = int(min(65536, max(1, chunk_bytes * rows // max(1, text_bytes))))
     disk_per_row = os.path.getsize(path) / rows
-    first, reported = 1, 0
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=[text_field]):
+    reported = int(disk_per_row * (first - 1))
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=row_groups):
         array = batch.column(0)
         done = int(disk_per_row * (first - 1 + len(array)))
         yield first, array, done - reported
