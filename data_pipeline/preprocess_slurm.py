@@ -1,4 +1,4 @@
-"""Preprocess across nodes: a Slurm job array tokenises shares of the inputs, a dependent
+"""Preprocess across nodes: a Slurm job array tokenises shards of the inputs, a dependent
 job merges them into one dataset, byte-identical to one `data_pipeline.preprocess` run.
 
     python -m data_pipeline.preprocess_slurm --input 'corpus/*.jsonl.gz' --output-prefix data/corpus \\
@@ -8,14 +8,14 @@ job merges them into one dataset, byte-identical to one `data_pipeline.preproces
     # written, not submitted (prints the sbatch commands):      neither flag
 
 Writes into the work directory (default PREFIX.shards/): plan.json (inputs with their
-record counts, the shares), task.sh (the array: task k runs `... task PLAN k`, which
-tokenises share k into shards/share-0000k.bin/.idx atomically, as preprocess writes),
+record counts, the shards), task.sh (the array: task k runs `... task PLAN k`, which
+tokenises shard k into shards/shard-0000k.bin/.idx atomically, as preprocess writes),
 merge.sh (`... merge PLAN`, submitted with --dependency=afterok:ARRAY, so it starts only
-when every share succeeded; it streams the shares into PREFIX.bin/.idx with memory that
+when every shard succeeded; it streams the shards into PREFIX.bin/.idx with memory that
 does not grow with the data). A failed task requeues itself alone (--retries, default
 1; bad input, exit 2, is not retried) and the merge waits for it; if a task still fails,
 the merge is cancelled by Slurm (--kill-on-invalid-dep), and running the same command
-again submits only the shares not finished, and a new merge. Bad input (a missing input,
+again submits only the shards not finished, and a new merge. Bad input (a missing input,
 more shards than records, an existing output, a tokenizer that does not load) is refused
 before anything is written or submitted (exit 2).
 """
@@ -68,14 +68,14 @@ def make_plan(args: argparse.Namespace) -> dict:
     if args.shards > total:
         raise SlurmPlanError(f"--shards {args.shards} is more than the {total:,} records (documents) of the "
                              f"inputs; use --shards {total} or fewer")
-    shares = plan_shares(sources, counts, args.shards)
+    shards = plan_shares(sources, counts, args.shards)
     return {
         "version": PLAN_VERSION,
         "output_prefix": os.path.abspath(args.output_prefix),
         "work_dir": str(work_dir(args)),
         "inputs": [{"path": os.path.abspath(s.path), "size": s.size, "mtime_ns": s.mtime_ns, "records": n}
                    for s, n in zip(sources, counts, strict=True)],
-        "shares": [[seg.to_json() for seg in share] for share in shares],
+        "shards": [[seg.to_json() for seg in shard] for shard in shards],
         "options": {"tokenizer": absolute_spec(args.tokenizer), "text_field": args.text_field,
                     "append_eod": args.append_eod, "skip_bad_records": args.skip_bad_records,
                     "max_document_bytes": args.max_document_bytes, "encoder": args.encoder,
@@ -89,34 +89,34 @@ def work_dir(plan_or_args) -> Path:
     return Path(os.path.abspath(plan_or_args.work_dir or plan_or_args.output_prefix + ".shards"))
 
 
-def share_prefix(directory: Path, index: int) -> str:
-    return str(directory / "shards" / f"share-{index:05d}")
+def shard_prefix(directory: Path, index: int) -> str:
+    return str(directory / "shards" / f"shard-{index:05d}")
 
 
-def _share_inputs(plan: dict, index: int) -> tuple[list[dict], list]:
-    """The inputs share `index` reads and its segments, renumbered into that list."""
+def _shard_inputs(plan: dict, index: int) -> tuple[list[dict], list]:
+    """The inputs shard `index` reads and its segments, renumbered into that list."""
     from data_pipeline.shares import Segment
 
-    segments = [Segment(**s) for s in plan["shares"][index]]
+    segments = [Segment(**s) for s in plan["shards"][index]]
     used = sorted({s.source for s in segments})
     renumber = {old: new for new, old in enumerate(used)}
     return ([plan["inputs"][i] for i in used],
             [Segment(renumber[s.source], s.first, s.count, s.offset) for s in segments])
 
 
-def finished_shares(plan: dict, directory: Path) -> list[bool]:
-    """Which shares a task already wrote for exactly this plan (their manifest says so)."""
+def finished_shards(plan: dict, directory: Path) -> list[bool]:
+    """Which shards a task already wrote for exactly this plan (their manifest says so)."""
     from data_pipeline.indexed_writer import read_manifest
 
     done = []
-    for index in range(len(plan["shares"])):
-        manifest = read_manifest(share_prefix(directory, index)) or {}
-        done.append(manifest.get("slurm_share") == _share_identity(plan, index))
+    for index in range(len(plan["shards"])):
+        manifest = read_manifest(shard_prefix(directory, index)) or {}
+        done.append(manifest.get("slurm_shard") == _shard_identity(plan, index))
     return done
 
 
-def _share_identity(plan: dict, index: int) -> dict:
-    inputs, segments = _share_inputs(plan, index)
+def _shard_identity(plan: dict, index: int) -> dict:
+    inputs, segments = _shard_inputs(plan, index)
     return {"inputs": inputs, "segments": [s.to_json() for s in segments],
             "options": {k: v for k, v in plan["options"].items() if k not in ("workers", "encoder")}}
 
@@ -141,25 +141,25 @@ def _python_line(directory: Path, step: str) -> str:
 def task_script(args: argparse.Namespace, directory: Path, name: str) -> str:
     return "\n".join([
         "#!/bin/bash",
-        f"# data_pipeline.preprocess_slurm: task k tokenises share k of {directory / 'plan.json'}",
+        f"# data_pipeline.preprocess_slurm: task k tokenises shard k of {directory / 'plan.json'}",
         f"#SBATCH --job-name={name}-tokenise",
         f"#SBATCH --output={directory}/logs/task-%A_%a.out",
         "#SBATCH --open-mode=append  # a requeued attempt appends to the first one's log",
         "#SBATCH --requeue",
         *_directives(args),
         "set -uo pipefail",
-        'echo "[preprocess_slurm] share $SLURM_ARRAY_TASK_ID attempt ${SLURM_RESTART_COUNT:-0} on $(hostname)"',
+        'echo "[preprocess_slurm] shard $SLURM_ARRAY_TASK_ID attempt ${SLURM_RESTART_COUNT:-0} on $(hostname)"',
         _python_line(directory, "task") + ' "$SLURM_ARRAY_TASK_ID"',
         "RC=$?",
         "# Exit 2 is bad input (the same every time): not retried. Anything else (a killed",
-        "# process, a full disk, a node problem) requeues this share alone; the merge waits.",
+        "# process, a full disk, a node problem) requeues this shard alone; the merge waits.",
         f'if (( RC != 0 && RC != 2 && ${{SLURM_RESTART_COUNT:-0}} < {args.retries} )); then',
-        f'    echo "[preprocess_slurm] share $SLURM_ARRAY_TASK_ID failed (exit $RC); requeueing it alone '
+        f'    echo "[preprocess_slurm] shard $SLURM_ARRAY_TASK_ID failed (exit $RC); requeueing it alone '
         f'(retry $((${{SLURM_RESTART_COUNT:-0}} + 1)) of {args.retries})"',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "    exit 0",
         "fi",
-        'echo "[preprocess_slurm] share $SLURM_ARRAY_TASK_ID exited with status $RC"',
+        'echo "[preprocess_slurm] shard $SLURM_ARRAY_TASK_ID exited with status $RC"',
         'exit "$RC"',
         "",
     ])
@@ -168,7 +168,7 @@ def task_script(args: argparse.Namespace, directory: Path, name: str) -> str:
 def merge_script(args: argparse.Namespace, directory: Path, name: str) -> str:
     return "\n".join([
         "#!/bin/bash",
-        f"# data_pipeline.preprocess_slurm: merge the shares of {directory / 'plan.json'} (after the array)",
+        f"# data_pipeline.preprocess_slurm: merge the shards of {directory / 'plan.json'} (after the array)",
         f"#SBATCH --job-name={name}-merge",
         f"#SBATCH --output={directory}/logs/merge-%j.out",
         *[line for line in _directives(args) if "cpus-per-task" not in line],
@@ -218,19 +218,19 @@ def _queued(directory: Path) -> list[str]:
 # ---------------------------------------------------------------- inside the jobs
 
 def run_task(plan_path: str, index: int) -> int:
-    """Array task `index`: tokenise one share into its own dataset (atomic, resumable)."""
+    """Array task `index`: tokenise one shard into its own dataset (atomic, resumable)."""
     from data_pipeline.preprocess import preprocess, print_summary
 
     plan = _load_plan(plan_path)
-    if not 0 <= index < len(plan["shares"]):
-        raise SlurmPlanError(f"share {index} does not exist: the plan has {len(plan['shares'])}")
-    inputs, segments = _share_inputs(plan, index)
+    if not 0 <= index < len(plan["shards"]):
+        raise SlurmPlanError(f"shard {index} does not exist: the plan has {len(plan['shards'])}")
+    inputs, segments = _shard_inputs(plan, index)
     for item in inputs:
         _check_unchanged(item)
     directory = work_dir(plan)
-    prefix = share_prefix(directory, index)
-    if finished_shares(plan, directory)[index]:
-        print(f"share {index}: {prefix} is already complete for this plan; nothing to do")
+    prefix = shard_prefix(directory, index)
+    if finished_shards(plan, directory)[index]:
+        print(f"shard {index}: {prefix} is already complete for this plan; nothing to do")
         return 0
     options = plan["options"]
     summary = preprocess([i["path"] for i in inputs], tokenizer=options["tokenizer"], output_prefix=prefix,
@@ -238,37 +238,37 @@ def run_task(plan_path: str, index: int) -> int:
                          workers=options["workers"], skip_bad_records=options["skip_bad_records"],
                          overwrite=True, max_document_bytes=options["max_document_bytes"],
                          encoder=options["encoder"], segments=segments)
-    _stamp_share(prefix, _share_identity(plan, index))
+    _stamp_shard(prefix, _shard_identity(plan, index))
     from rich.console import Console
 
     print_summary(Console(stderr=True), summary)
     return 0
 
 
-def _stamp_share(prefix: str, identity: dict) -> None:
-    """Record the plan's share in the manifest (after the pair; written whole, then renamed)."""
+def _stamp_shard(prefix: str, identity: dict) -> None:
+    """Record the plan's shard in the manifest (after the pair; written whole, then renamed)."""
     from data_pipeline.indexed_writer import manifest_path
 
     path = manifest_path(prefix)
     manifest = json.loads(Path(path).read_text())
-    manifest["slurm_share"] = identity
+    manifest["slurm_shard"] = identity
     Path(path + ".partial").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(path + ".partial", path)
 
 
 def run_merge(plan_path: str) -> int:
-    """The dependent job: every share complete for this plan -> one streamed merge."""
+    """The dependent job: every shard complete for this plan -> one streamed merge."""
     from data_pipeline.merge import merge
 
     plan = _load_plan(plan_path)
     directory = work_dir(plan)
-    missing = [i for i, done in enumerate(finished_shares(plan, directory)) if not done]
+    missing = [i for i, done in enumerate(finished_shards(plan, directory)) if not done]
     if missing:
-        raise SlurmPlanError(f"shares {_ranges(missing)} are not complete for this plan; run the "
+        raise SlurmPlanError(f"shards {_ranges(missing)} are not complete for this plan; run the "
                              "submitting command again (it submits only those, and a new merge)")
-    prefixes = [share_prefix(directory, i) for i in range(len(plan["shares"]))]
+    prefixes = [shard_prefix(directory, i) for i in range(len(plan["shards"]))]
     manifest = merge(prefixes, plan["output_prefix"], overwrite=True, documents_required=True)
-    print(f"merged {len(prefixes)} shares: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+    print(f"merged {len(prefixes)} shards: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
           f"into {plan['output_prefix']}.bin/.idx")
     return 0
 
@@ -289,7 +289,7 @@ def _check_unchanged(item: dict) -> None:
     except OSError as exc:
         raise InputError(f"input {item['path']} is gone since planning ({exc.strerror})") from None
     if (stat.st_size, stat.st_mtime_ns) != (item["size"], item["mtime_ns"]):
-        raise InputError(f"input {item['path']} changed since planning (size or mtime): the shares no "
+        raise InputError(f"input {item['path']} changed since planning (size or mtime): the shards no "
                          "longer fit it; plan again (the submitting command with --overwrite)")
 
 
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", "-o", required=True, help="the merged PREFIX.bin/.idx")
     p.add_argument("--tokenizer", "-t", required=True, help="as for data_pipeline.preprocess")
     p.add_argument("--shards", type=positive_int, required=True,
-                   help="array tasks: the inputs' records cut into this many contiguous shares")
+                   help="array tasks: the inputs' records cut into this many contiguous shards")
     p.add_argument("--text-field", default="text")
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--skip-bad-records", action="store_true")
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=nonnegative_int, default=1,
                    help="times a failed task requeues itself (default 1; exit 2, bad input, never)")
     p.add_argument("--job-name", default=None, help="default: the output prefix's name")
-    p.add_argument("--work-dir", help="plan, scripts, shares, logs (default PREFIX.shards)")
+    p.add_argument("--work-dir", help="plan, scripts, shards, logs (default PREFIX.shards)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output, or a work directory planned by a different command")
     mode = p.add_mutually_exclusive_group()
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args: argparse.Namespace, plan: dict) -> tuple[Path, list[int]]:
-    """Write plan.json and the scripts (or reuse an identical plan); the shares still to do."""
+    """Write plan.json and the scripts (or reuse an identical plan); the shards still to do."""
     directory = work_dir(args)
     plan_path = directory / "plan.json"
     if plan_path.is_file():
@@ -339,7 +339,7 @@ def _prepare(args: argparse.Namespace, plan: dict) -> tuple[Path, list[int]]:
         if old != plan:
             if not args.overwrite:
                 raise SlurmPlanError(f"{directory} holds the plan of a different command (other inputs, "
-                                     "shares or options); pass --overwrite to replace it, or --work-dir")
+                                     "shards or options); pass --overwrite to replace it, or --work-dir")
             shutil.rmtree(directory / "shards", ignore_errors=True)
     queued = _queued(directory)
     if queued:
@@ -353,22 +353,22 @@ def _prepare(args: argparse.Namespace, plan: dict) -> tuple[Path, list[int]]:
                          ("merge.sh", merge_script(args, directory, name))):
         (directory / script).write_text(text)
         (directory / script).chmod(0o755)
-    todo = [i for i, done in enumerate(finished_shares(plan, directory)) if not done]
+    todo = [i for i, done in enumerate(finished_shards(plan, directory)) if not done]
     return directory, todo
 
 
 def _print_plan(plan: dict) -> None:
-    shares = plan["shares"]
-    sizes = [sum(s["count"] for s in share) for share in shares]
+    shards = plan["shards"]
+    sizes = [sum(s["count"] for s in shard) for shard in shards]
     print(f"{len(plan['inputs'])} input(s), {sum(i['records'] for i in plan['inputs']):,} records -> "
-          f"{len(shares)} shares of {min(sizes):,}-{max(sizes):,} records -> {plan['output_prefix']}.bin/.idx")
+          f"{len(shards)} shards of {min(sizes):,}-{max(sizes):,} records -> {plan['output_prefix']}.bin/.idx")
 
 
 def submit_plan(args: argparse.Namespace, plan: dict) -> int:
     directory, todo = _prepare(args, plan)
     _print_plan(plan)
     if not todo:
-        print("every share is complete: submitting the merge only")
+        print("every shard is complete: submitting the merge only")
     array_cmd, merge_cmd = sbatch_commands(directory, todo)
     if not args.submit:
         print(f"wrote {directory}/plan.json, task.sh, merge.sh; submit with:")
@@ -381,7 +381,7 @@ def submit_plan(args: argparse.Namespace, plan: dict) -> int:
     jobs = []
     if todo:
         array_job = _sbatch(array_cmd)
-        print(f"submitted: array job {array_job} (shares {_ranges(todo)})")
+        print(f"submitted: array job {array_job} (shards {_ranges(todo)})")
         merge_cmd = [c.replace("ARRAY_JOB", array_job) for c in merge_cmd]
         jobs.append(array_job)
     else:
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             name = args.job_name or os.path.basename(args.output_prefix)
             print(f"--- {directory}/task.sh\n{task_script(args, directory, name)}--- {directory}/merge.sh\n"
                   f"{merge_script(args, directory, name)}--- would run:")
-            for command in sbatch_commands(directory, list(range(len(plan["shares"])))):
+            for command in sbatch_commands(directory, list(range(len(plan["shards"])))):
                 print(shlex.join(command))
             return 0
         try:
