@@ -138,15 +138,16 @@ def _python_line(directory: Path, step: str) -> str:
             f"{shlex.quote(str(directory / 'plan.json'))}")
 
 
+def _script(directory: Path, what: str, job_name: str, log: str, directives: list[str], body: list[str]) -> str:
+    return "\n".join(["#!/bin/bash", f"# data_pipeline.preprocess_slurm: {what} of {directory / 'plan.json'}",
+                      f"#SBATCH --job-name={job_name}", f"#SBATCH --output={directory}/logs/{log}",
+                      *directives, *body, ""])
+
+
 def task_script(args: argparse.Namespace, directory: Path, name: str) -> str:
-    return "\n".join([
-        "#!/bin/bash",
-        f"# data_pipeline.preprocess_slurm: task k tokenises shard k of {directory / 'plan.json'}",
-        f"#SBATCH --job-name={name}-tokenise",
-        f"#SBATCH --output={directory}/logs/task-%A_%a.out",
-        "#SBATCH --open-mode=append  # a requeued attempt appends to the first one's log",
-        "#SBATCH --requeue",
-        *_directives(args),
+    directives = ["#SBATCH --open-mode=append  # a requeued attempt appends to the first one's log",
+                  "#SBATCH --requeue", *_directives(args)]
+    return _script(directory, "task k tokenises shard k", f"{name}-tokenise", "task-%A_%a.out", directives, [
         "set -uo pipefail",
         'echo "[preprocess_slurm] shard $SLURM_ARRAY_TASK_ID attempt ${SLURM_RESTART_COUNT:-0} on $(hostname)"',
         _python_line(directory, "task") + ' "$SLURM_ARRAY_TASK_ID"',
@@ -161,20 +162,13 @@ def task_script(args: argparse.Namespace, directory: Path, name: str) -> str:
         "fi",
         'echo "[preprocess_slurm] shard $SLURM_ARRAY_TASK_ID exited with status $RC"',
         'exit "$RC"',
-        "",
     ])
 
 
 def merge_script(args: argparse.Namespace, directory: Path, name: str) -> str:
-    return "\n".join([
-        "#!/bin/bash",
-        f"# data_pipeline.preprocess_slurm: merge the shards of {directory / 'plan.json'} (after the array)",
-        f"#SBATCH --job-name={name}-merge",
-        f"#SBATCH --output={directory}/logs/merge-%j.out",
-        *[line for line in _directives(args) if "cpus-per-task" not in line],
-        _python_line(directory, "merge"),
-        "",
-    ])
+    directives = [line for line in _directives(args) if "cpus-per-task" not in line]
+    return _script(directory, "merge the shards (after the array)", f"{name}-merge", "merge-%j.out", directives,
+                   [_python_line(directory, "merge")])
 
 
 def sbatch_commands(directory: Path, todo: list[int]) -> tuple[list[str], list[str]]:
