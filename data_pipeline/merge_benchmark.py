@@ -90,8 +90,11 @@ def measure(directory: str, prefixes: list[str], repeats: int) -> dict[str, list
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--megatron-merge"]:
+    if argv[:1] == ["--megatron-merge"]:  # the measured processes this module starts
         megatron_merge(argv[2:], argv[1])
+        return 0
+    if argv[:1] == ["--write-shards"]:
+        write_shards(argv[1], int(argv[2]), int(argv[3]))
         return 0
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.merge_benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     for documents in args.documents:
         directory = tempfile.mkdtemp(prefix=f"merge-bench-{documents}-", dir=args.dir)
         try:
-            prefixes = write_shards(directory, documents, args.shards)
+            # In a child process: a fork starts with its parent's resident pages counted in its
+            # ru_maxrss, so the measuring process must stay small (shard writing is not).
+            subprocess.run([sys.executable, "-m", "data_pipeline.merge_benchmark", "--write-shards", directory,
+                            str(documents), str(args.shards)], check=True, stderr=subprocess.DEVNULL)
+            prefixes = [os.path.join(directory, f"shard-{k:05d}") for k in range(args.shards)]
             size = sum(os.path.getsize(p + ext) for p in prefixes for ext in (".bin", ".idx"))
             tokens = sum(os.path.getsize(p + ".bin") for p in prefixes) // 2
             runs = measure(directory, prefixes, args.repeats)
