@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow]
 
 def cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "data_pipeline.preprocess_slurm", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
 
 
 def submit(args: list[str], env: dict) -> tuple[str | None, str, str]:
@@ -66,17 +66,27 @@ def log_of(work_dir: Path, array: str, task: int) -> str:
 def test_failed_task_reruns_alone_and_the_merge_is_byte_identical(slurm_env, tmp_path):
     inputs = corpus(tmp_path)
     job = ["--partition", "debug", "--time", "5"]  # few shards: each task pays ~5 CPU-s of imports
+    # Ordered so the waits overlap: b's failure and re-run go on while a's task is requeued.
+    # b: no retries; shard 1 fails, Slurm cancels the merge; the same command again submits
+    # shard 1 alone and a new merge
+    obstacle_b = block_first_attempt(tmp_path / "b.shards", 1, tmp_path)
+    argv_b = [*options(inputs), "-o", str(tmp_path / "b"), *job, "--shards", "2", "--retries", "0"]
+    array_b, merge_b, _ = submit(argv_b, slurm_env)
     # a: one retry; shard 1's first attempt fails, requeues itself alone, the merge waits for it
     block_first_attempt(tmp_path / "a.shards", 1, tmp_path)
     array_a, merge_a, out_a = submit([*options(inputs), "-o", str(tmp_path / "a"), *job, "--shards", "3",
                                       "--retries", "1"], slurm_env)
     assert f"$ sbatch --parsable --array=0-2 {tmp_path}/a.shards/task.sh" in out_a
     assert f"$ sbatch --parsable --dependency=afterok:{array_a} --kill-on-invalid-dep=yes" in out_a
-    # b: no retries; shard 1 fails, Slurm cancels the merge; the same command again submits
-    # shard 1 alone and a new merge
-    obstacle_b = block_first_attempt(tmp_path / "b.shards", 1, tmp_path)
-    argv_b = [*options(inputs), "-o", str(tmp_path / "b"), *job, "--shards", "2", "--retries", "0"]
-    array_b, merge_b, _ = submit(argv_b, slurm_env)
+
+    info = wait_for_job(merge_b, slurm_env, tmp_path / "b.shards")
+    assert info["JobState"] == "CANCELLED" and info["Reason"] == "DependencyNeverSatisfied", info
+    wait_until_gone(array_b, slurm_env)
+    assert not obstacle_b.is_symlink()  # the failed attempt removed its temporaries
+    assert not (tmp_path / "b.bin").exists()
+    kept = {0: (tmp_path / "b.shards/shards/shard-00000.bin").stat()}
+    rerun_array, rerun_merge, out = submit(argv_b, slurm_env)
+    assert f"--array=1 {tmp_path}/b.shards/task.sh" in out, out
 
     assert preprocess_main([*options(inputs), "-o", str(tmp_path / "one"), "--workers", "0", "--no-progress"]) == 0
     one = {ext: (tmp_path / f"one.{ext}").read_bytes() for ext in ("bin", "idx")}
@@ -93,14 +103,6 @@ def test_failed_task_reruns_alone_and_the_merge_is_byte_identical(slurm_env, tmp
         log = log_of(tmp_path / "a.shards", array_a, task)
         assert "attempt 0" in log and "attempt 1" not in log, log
 
-    info = wait_for_job(merge_b, slurm_env, tmp_path / "b.shards")
-    assert info["JobState"] == "CANCELLED" and info["Reason"] == "DependencyNeverSatisfied", info
-    wait_until_gone(array_b, slurm_env)
-    assert not obstacle_b.is_symlink()  # the failed attempt removed its temporaries
-    assert not (tmp_path / "b.bin").exists()
-    kept = {0: (tmp_path / "b.shards/shards/shard-00000.bin").stat()}
-    rerun_array, rerun_merge, out = submit(argv_b, slurm_env)
-    assert f"--array=1 {tmp_path}/b.shards/task.sh" in out, out
     info = wait_for_job(rerun_merge, slurm_env, tmp_path / "b.shards")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info
     for ext in ("bin", "idx"):
