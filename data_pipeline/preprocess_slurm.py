@@ -33,7 +33,7 @@ from pathlib import Path
 
 from data_pipeline.checks import positive_int
 from data_pipeline.preprocess import DEFAULT_MAX_DOCUMENT_BYTES, PreprocessError
-from data_pipeline.sources import InputError, InputFile
+from data_pipeline.sources import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN_VERSION = 1
