@@ -15,6 +15,8 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
+import struct
 import warnings
 from array import array
 
@@ -33,6 +35,7 @@ def quiet_megatron_import():
 
 with quiet_megatron_import():
     from megatron.core.datasets.indexed_dataset import (
+        _INDEX_HEADER,
         DType,
         IndexedDataset,
         IndexedDatasetBuilder,
@@ -42,6 +45,8 @@ with quiet_megatron_import():
     )
 
 MANIFEST_VERSION = 1
+# Index entries read per block when merging: 1M entries = 8 MB of int64, whatever the data size.
+MERGE_BLOCK_ENTRIES = 1 << 20
 # Bytes of tokens between syncs of the .bin while it is written (see _sync_written).
 SYNC_EVERY_BYTES = 16 << 20
 
@@ -101,8 +106,6 @@ def open_index(prefix: str):
     fails at the first batch that reaches its end; one with extra bytes is not the .bin
     this .idx was written with. Costs a stat, not a read of the .bin.
     """
-    import struct
-
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     bin_path, idx_path = get_bin_path(prefix), get_idx_path(prefix)
@@ -194,6 +197,80 @@ class CompactIndexedDatasetBuilder(IndexedDatasetBuilder):
                          np.frombuffer(self.document_indices, dtype=np.int64))
 
 
+class StreamingConcatBuilder(IndexedDatasetBuilder):
+    """Megatron's `add_index` concatenation with memory that does not grow with the data.
+
+    Megatron-Core 0.16.1's `IndexedDatasetBuilder.add_index` streams the .bin
+    (shutil.copyfileobj) but extends in-memory lists with every input's sequence lengths
+    and document indices, and `finalize` then builds the whole pointer array: memory grows
+    with the number of documents (12+ bytes each). Here `add_index` copies the .bin and
+    only remembers the input; `finalize` writes the .idx in Megatron's layout (the header
+    of `_IndexWriter`, then lengths, pointers, document indices) reading each input's
+    arrays in blocks of MERGE_BLOCK_ENTRIES with plain reads (no mmap, whose touched pages
+    would count as resident). The bytes equal what `add_index` + `finalize` write.
+    """
+
+    def __init__(self, bin_path: str, dtype: type) -> None:
+        super().__init__(bin_path, dtype=dtype)
+        self._inputs: list[tuple[str, int, int]] = []  # (prefix, sequences, documents + 1)
+
+    def add_index(self, path_prefix: str) -> None:
+        from megatron.core.datasets.indexed_dataset import _IndexReader
+
+        idx_path = get_idx_path(path_prefix)
+        index = _IndexReader(idx_path, multimodal=False)  # header, dtype and counts only
+        if index.dtype != self.dtype:
+            raise DatasetFileError(f"{idx_path} stores {index.dtype.__name__}, the merge writes "
+                                   f"{self.dtype.__name__}")
+        sequences, documents = index.sequence_count, index.document_count
+        del index
+        expected = _HEADER_BYTES + 12 * sequences + 8 * documents
+        if os.path.getsize(idx_path) != expected:  # the layout finalize relies on
+            raise DatasetFileError(f"{idx_path} is not a plain Megatron index ({os.path.getsize(idx_path):,} "
+                                   f"bytes, expected {expected:,}); multimodal datasets cannot be merged")
+        self._inputs.append((path_prefix, sequences, documents))
+        with open(get_bin_path(path_prefix), "rb") as f:
+            shutil.copyfileobj(f, self.data_file, 1 << 20)
+
+    def finalize(self, idx_path: str) -> None:
+        self.data_file.close()
+        sequences = sum(n for _, n, _ in self._inputs)
+        documents = 1 + sum(d - 1 for _, _, d in self._inputs)
+        with open(idx_path, "wb") as out:
+            out.write(_INDEX_HEADER + struct.pack("<Q", 1) + struct.pack("<B", DType.code_from_dtype(self.dtype)))
+            out.write(struct.pack("<Q", sequences) + struct.pack("<Q", documents))
+            for prefix, n, _ in self._inputs:  # lengths, as they are
+                for block in _blocks(get_idx_path(prefix), _HEADER_BYTES, np.int32, n):
+                    out.write(block.tobytes())
+            byte_offset = 0
+            for prefix, n, _ in self._inputs:  # pointers, shifted by the .bin bytes before
+                for block in _blocks(get_idx_path(prefix), _HEADER_BYTES + 4 * n, np.int64, n):
+                    out.write((block + byte_offset).tobytes())
+                byte_offset += os.path.getsize(get_bin_path(prefix))
+            out.write(np.zeros(1, dtype=np.int64).tobytes())
+            sequence_offset = 0
+            for prefix, n, d in self._inputs:  # document ends (the leading 0 once), shifted
+                for block in _blocks(get_idx_path(prefix), _HEADER_BYTES + 12 * n + 8, np.int64, d - 1):
+                    out.write((block + sequence_offset).tobytes())
+                sequence_offset += n
+
+
+_HEADER_BYTES = len(_INDEX_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, two counts
+
+
+def _blocks(path: str, offset: int, dtype, count: int):
+    """`count` items of `dtype` from `path` at byte `offset`, MERGE_BLOCK_ENTRIES at a time."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while count > 0:
+            n = min(count, MERGE_BLOCK_ENTRIES)
+            block = np.fromfile(f, dtype=dtype, count=n)
+            if len(block) != n:
+                raise DatasetFileError(f"{path} ended early (truncated while merging?)")
+            count -= n
+            yield block
+
+
 class AtomicIndexedDataset:
     """Context manager around a builder writing to temporary names.
 
@@ -202,11 +279,12 @@ class AtomicIndexedDataset:
     `*.partial` files, which the next run for the same prefix overwrites.
     """
 
-    def __init__(self, prefix: str, dtype: type) -> None:
+    def __init__(self, prefix: str, dtype: type, builder_class: type = None) -> None:
         self.prefix = prefix
         self.dtype = dtype
+        self.builder_class = builder_class or CompactIndexedDatasetBuilder
         self.bin_tmp, self.idx_tmp, self.meta_tmp = partial_paths(prefix)
-        self.builder: CompactIndexedDatasetBuilder | None = None
+        self.builder: IndexedDatasetBuilder | None = None
         self._lock = None
         self._committed = False
 
@@ -219,7 +297,7 @@ class AtomicIndexedDataset:
             raise OutputError(f"another process is writing {self.prefix!r} (it holds "
                               f"{self.prefix}.lock); wait for it or choose another prefix") from None
         try:
-            self.builder = CompactIndexedDatasetBuilder(self.bin_tmp, self.dtype)
+            self.builder = self.builder_class(self.bin_tmp, self.dtype)
         except BaseException:
             self.__exit__(None, None, None)  # not called when __enter__ raises
             raise

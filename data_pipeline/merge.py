@@ -5,7 +5,9 @@
 
 Inputs are prefixes (a trailing .bin/.idx is ignored) or globs (every .idx they
 match). All inputs must share one token dtype and, where they carry a manifest,
-one tokenizer. The output is written atomically like preprocess's.
+one tokenizer. The output is written atomically like preprocess's. Memory does not
+grow with the data: tokens and index arrays stream through fixed-size buffers
+(indexed_writer.StreamingConcatBuilder; measured by data_pipeline.merge_benchmark).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import glob
 import os
 import sys
 import time
+
+import numpy as np
 
 
 class MergeError(ValueError):
@@ -38,14 +42,16 @@ def resolve_prefixes(patterns: list[str]) -> list[str]:
 
 
 def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
-          progress: bool = False, console=None) -> dict:
-    """Merge `inputs` (prefixes or globs) into output_prefix; returns the manifest written."""
+          progress: bool = False, console=None, documents_required: bool = False) -> dict:
+    """Merge `inputs` (prefixes or globs) into output_prefix; returns the manifest written.
+    `documents_required`: refuse inputs that hold no document at all (as preprocess does)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
     from data_pipeline.indexed_writer import (
         AtomicIndexedDataset,
         DatasetFileError,
+        StreamingConcatBuilder,
         check_output_prefix,
         open_index,
         output_exists,
@@ -64,8 +70,9 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
         except DatasetFileError as exc:
             raise MergeError(str(exc)) from None
         dtypes[prefix] = index.dtype
-        documents += len(index.document_indices) - 1
-        tokens += int(index.sequence_lengths.sum(dtype="int64"))
+        documents += index.document_count - 1
+        # open_index checked that the .bin holds exactly the indexed tokens: no pass over lengths
+        tokens += os.path.getsize(prefix + ".bin") // np.dtype(index.dtype).itemsize
         del index
         made = read_manifest(prefix) or {}
         if (made.get("request") or {}).get("tokenizer"):
@@ -77,6 +84,8 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
     if len({t["sha256"] for t, _ in tokenizers.values()}) > 1:
         listing = ", ".join(f"{p} ({spec})" for p, (_, spec) in tokenizers.items())
         raise MergeError(f"inputs were made by different tokenizers: {listing}")
+    if documents_required and documents == 0:
+        raise MergeError(f"no documents in {', '.join(prefixes)}: every record was skipped or empty")
     if output_exists(output_prefix) and not overwrite:
         raise MergeError(f"{output_prefix}.bin/.idx already exist; pass --overwrite to replace them")
 
@@ -91,9 +100,10 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
                   TimeElapsedColumn(), console=console, disable=not progress) as bar:
         task = bar.add_task("merge", total=sum(sizes))
         try:
-            with AtomicIndexedDataset(output_prefix, next(iter(dtypes.values()))) as out:
+            dtype = next(iter(dtypes.values()))
+            with AtomicIndexedDataset(output_prefix, dtype, StreamingConcatBuilder) as out:
                 for prefix, size in zip(prefixes, sizes):
-                    out.builder.add_index(prefix)  # Megatron's own concatenation
+                    out.builder.add_index(prefix)  # Megatron's add_index, streaming the index too
                     bar.advance(task, size)
                 out.commit(manifest)
         except OSError as exc:  # a full disk, a file-size limit: the temporaries are gone

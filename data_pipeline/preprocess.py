@@ -88,6 +88,7 @@ class RunSummary:
 class _Job:
     prefix: str
     sources: list[InputFile]
+    segments: list | None = None  # shares.Segment list: only these records (a preprocess_slurm task)
 
 
 def plan_outputs(sources: list[InputFile], output_prefix: str | None,
@@ -137,6 +138,8 @@ def _request(job: _Job, tokenizer, text_field: str, append_eod: bool, skip_bad: 
     }
     if skip_bad and max_document_bytes != DEFAULT_MAX_DOCUMENT_BYTES:
         request["max_document_bytes"] = max_document_bytes
+    if job.segments is not None:
+        request["segments"] = [s.to_json() for s in job.segments]
     return request
 
 
@@ -145,13 +148,15 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
                workers: int | None = None, skip_bad_records: bool = False, overwrite: bool = False,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = False,
                max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, encoder: str = "auto",
-               console=None) -> RunSummary:
+               segments: list | None = None, console=None) -> RunSummary:
     """Tokenise `inputs` into indexed dataset(s); see the module docstring.
 
     Every check that can fail fast (inputs, outputs, tokenizer, encoder) runs before
     any worker starts. `encoder`: auto, reference or gigatoken (fast_encoders; the
     output bytes are the same with either). Raises InputError, OutputError,
     TokenizerLoadError (EncoderUnavailable) or PreprocessError naming the problem.
+    `segments` (shares.Segment, indices into the resolved inputs; with output_prefix):
+    tokenise only those records, as one task of preprocess_slurm does.
     """
     from rich.console import Console
 
@@ -173,6 +178,10 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         raise PreprocessError(f"--max-document-bytes must be >= 1, got {max_document_bytes}")
     sources = resolve_inputs(inputs)
     jobs = plan_outputs(sources, output_prefix, output_dir)
+    if segments is not None:
+        if output_prefix is None:
+            raise PreprocessError("segments need --output-prefix (one output for the share)")
+        jobs[0].segments = list(segments)
     tok = load_tokenizer(tokenizer)
     if append_eod and tok.eod is None:
         raise TokenizerLoadError(f"{tok.describe()} has no end-of-document token; "
@@ -250,7 +259,12 @@ def _stream_and_commit(job: _Job, request: dict, tokenizer_spec: str, dtype, poo
 
     with AtomicIndexedDataset(job.prefix, dtype) as out:
         pending, next_seq, submitted = {}, 0, 0
-        chunks = iter_chunks(job.sources, chunk_bytes, request["text_field"])
+        if job.segments is None:
+            chunks = iter_chunks(job.sources, chunk_bytes, request["text_field"])
+        else:
+            from data_pipeline.shares import iter_share_chunks
+
+            chunks = iter_share_chunks(job.sources, job.segments, chunk_bytes, request["text_field"])
         exhausted = False
         while True:
             while not exhausted and submitted - next_seq < pool.max_inflight:
@@ -268,7 +282,8 @@ def _stream_and_commit(job: _Job, request: dict, tokenizer_spec: str, dtype, poo
                 _absorb(pending.pop(next_seq), job, request, out, stats)
                 next_seq += 1
                 _advance(bar, task, stats, earlier)
-        if stats.documents == 0:
+        # A share of a preprocess_slurm run may hold only skipped records; the merge checks the total.
+        if stats.documents == 0 and job.segments is None:
             raise PreprocessError(f"no documents for {job.prefix}: every record of "
                                   f"{', '.join(s.path for s in job.sources)} was skipped or empty")
         out.commit({"request": request, "tokenizer_spec": tokenizer_spec,

@@ -158,7 +158,9 @@ def iter_chunks(sources: list[InputFile], chunk_bytes: int, text_field: str) -> 
     """Chunks of every source in order; memory is one chunk plus the longest line."""
     seq = 0
     for index, source in enumerate(sources):
-        if source.kind == "jsonl":
+        if source.kind == "jsonl" and not source.path.lower().endswith(".gz"):
+            pieces = _plain_jsonl_chunks(source.path, chunk_bytes)
+        elif source.kind == "jsonl":
             pieces = _jsonl_chunks(source.path, chunk_bytes)
         else:
             pieces = _parquet_chunks(source.path, chunk_bytes, text_field)
@@ -170,13 +172,14 @@ def iter_chunks(sources: list[InputFile], chunk_bytes: int, text_field: str) -> 
             raise InputError(f"{source.path}: read failed ({err})") from err
 
 
-def _jsonl_chunks(path: str, chunk_bytes: int):
-    if not path.lower().endswith(".gz"):
-        yield from _plain_jsonl_chunks(path, chunk_bytes)
-        return
+def _jsonl_chunks(path: str, chunk_bytes: int, offset: int = 0, line_no: int = 1):
+    """(first line number, whole lines, disk bytes) from byte `offset` of a plain file
+    (which must start line `line_no`); gzip files are read from the start."""
     with open(path, "rb") as raw:
-        stream = gzip.GzipFile(fileobj=raw)
-        line_no, carry, reported = 1, b"", 0
+        stream = gzip.GzipFile(fileobj=raw) if path.lower().endswith(".gz") else raw
+        if offset:
+            raw.seek(offset)
+        carry, reported = b"", offset
         while True:
             block = stream.read(chunk_bytes)
             data = carry + block if carry else block
@@ -215,7 +218,10 @@ def _plain_jsonl_chunks(path: str, chunk_bytes: int):
             yield line_no, FileRange(path, start, pos - start, False), pos - start
 
 
-def _parquet_chunks(path: str, chunk_bytes: int, text_field: str):
+def _parquet_chunks(path: str, chunk_bytes: int, text_field: str, row_groups: list[int] | None = None,
+                    first: int = 1):
+    """(first row number, string array, disk bytes); `row_groups`: only these (the first of
+    them starting at row `first`)."""
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -226,8 +232,8 @@ def _parquet_chunks(path: str, chunk_bytes: int, text_field: str):
     # also bounded by one row group, which pyarrow decodes whole.
     batch_rows = int(min(65536, max(1, chunk_bytes * rows // max(1, text_bytes))))
     disk_per_row = os.path.getsize(path) / rows
-    first, reported = 1, 0
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=[text_field]):
+    reported = int(disk_per_row * (first - 1))
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=row_groups):
         array = batch.column(0)
         done = int(disk_per_row * (first - 1 + len(array)))
         yield first, array, done - reported
