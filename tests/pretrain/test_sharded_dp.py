@@ -64,7 +64,8 @@ LAYOUTS = {
 # the one-rank run reproduce 1.4e-5, and one rank alone with every gradient element scaled by
 # (1 + 1e-7 N(0, 1)) drifts 1.2e-6 to 1.3e-5 by step 5. At lr 1e-3 the same TP2+SP run stays
 # within 4e-8 at every step, and a doubled gradient still moves the losses by far more than 1e-5
-# (test_a_doubled_gradient_would_show).
+# (test_a_doubled_gradient_would_show). To see it: python -m tests.pretrain.grad_drift TP2-SP-docs
+# optimizer.lr=3e-3 (add --noise 1e-7 --seed 2 for the one-rank case).
 DOC_TEXT = ["data.mock=false", "optimizer.adam_eps=1e-6", "optimizer.lr=1e-3"]
 DOCS = DOC_TEXT + ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 TP2_SP = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]
