@@ -45,12 +45,12 @@ LAYOUTS = {
 }
 # Document masking (issue 24) in every kind of layout, on real text with short documents
 # (tests.pretrain.workers.document_data: 1-3 document boundaries per 64-token sample), against one rank
-# with masking on. PP2 x VPP2 has middle chunks (they need the document ids too); CP2 masks
+# with masking on. TP2 x PP2 x VPP2 has middle chunks (they need the document ids too); CP2 masks
 # documents whose boundaries fall in the other rank's chunk; the 4-rank layouts combine TP + SP
 # (each rank computes attention over the whole gathered sequence, with its own heads) with PP,
-# CP and EP. Plain DDP over data-parallel replicas is in CP2 and MoE-EP2 (DP 2 for the dense
-# weights). REPEAT_ONLY layouts passed tests.pretrain.repeat_sharded 20 times and stay out of the
-# suite for its time (issue 24's note).
+# CP and EP. Plain DDP over data-parallel replicas is in CP2 and MoE-EP2xTP2 (DP 2 for the dense
+# weights). REPEAT_ONLY layouts (below) are run by tests.pretrain.repeat_sharded, not by the suite
+# (its time; issue 24's note has their repeat counts).
 # Real text has tokens seen once in 5 steps, whose embedding rows get gradient elements near
 # 0: there Adam turns fp32's absolute noise (~1e-10 between layouts) into weight differences
 # of noise x lr / eps (x 3e5 at eps 1e-8: CP2 vs one rank measured 3.3e-5 in one embedding
@@ -78,8 +78,9 @@ LAYOUTS.update({
     "DP2-ZeRO3-docs": ("tiny-llama", 2, ["parallel.sharding=zero3"] + DOCS),
     "MoE-EP2xTP2-SP-docs": ("tiny-moe", 4, ["parallel.expert_parallel=2"] + TP2_SP + DOCS),
 })
-# Run by tests.pretrain.repeat_sharded, not by the suite (its time): each passed there (issue 24's
-# note has the counts). The suite's layouts above include what each of these exercises.
+# Run by tests.pretrain.repeat_sharded, not by the suite. Their masking code runs in the suite's
+# layouts above (TP2xPP2xVPP2, MoE-EP2xTP2, CP2's data-parallel replicas); the non-interleaved PP
+# schedule of PP2 and TP2xPP2 is in test_parity.py (unmasked), ZeRO-2 in this file's DP2-ZeRO2.
 REPEAT_ONLY = {
     "PP2-docs": ("tiny-llama", 2, ["parallel.pipeline_parallel=2"] + DOCS),
     "PP2xVPP2-docs": ("tiny-llama", 2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"] + DOCS),
