@@ -1,6 +1,6 @@
 """Run every sharded layout of test_sharded_dp N times against its one-rank reference.
 
-    python -m tests.pretrain.repeat_sharded --times 20            # all layouts
+    python -m tests.pretrain.repeat_sharded --times 20            # all layouts (REPEAT_ONLY too)
     python -m tests.pretrain.repeat_sharded --times 5 DP2-ZeRO3   # one layout
 
 A multi-rank test is trusted after it passed 20 times in a row: Megatron-FSDP's coalesced
@@ -22,7 +22,10 @@ from pathlib import Path
 
 from tests.compare import relative_differences
 from tests.distributed import RankFailure
-from tests.pretrain.test_sharded_dp import LAYOUTS, OPTIMIZER_KEY, REFERENCE, STEPS, _reference_of, _run, _tensors
+from tests.pretrain.test_sharded_dp import (LAYOUTS, OPTIMIZER_KEY, REFERENCE, REPEAT_ONLY, STEPS, _reference_of,
+                                           _run, _tensors)
+
+ALL = {**LAYOUTS, **REPEAT_ONLY}  # the suite's layouts and those only run here
 
 
 ONE_SAVE = [f"checkpoint.save_interval={STEPS}", "checkpoint.async_save=false"]
@@ -46,12 +49,12 @@ def _compare(got: dict, want: dict) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--times", type=int, default=20)
-    parser.add_argument("layouts", nargs="*", metavar="LAYOUT", help=f"default: all of {', '.join(LAYOUTS)}")
+    parser.add_argument("layouts", nargs="*", metavar="LAYOUT", help=f"default: all of {', '.join(ALL)}")
     args = parser.parse_args(argv)
-    names = args.layouts or list(LAYOUTS)
-    unknown = [name for name in names if name not in LAYOUTS]
+    names = args.layouts or list(ALL)
+    unknown = [name for name in names if name not in ALL]
     if unknown:
-        parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(LAYOUTS)}")
+        parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(ALL)}")
     failures: dict[str, list[str]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="repeat-sharded-") as tmp:
         root = Path(tmp)
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 if any(_reference_of(name) == key for name in names)}
         for i in range(args.times):
             for name in names:
-                recipe, nproc, extra = LAYOUTS[name]
+                recipe, nproc, extra = ALL[name]
                 start = time.monotonic()
                 try:
                     # One (synchronous) save, at the end, for the weights: the saves' own
