@@ -17,7 +17,9 @@ config names another, checkpoints/. One srun task per GPU (or --launcher torchru
 torchrun per node). USR1 before the time limit -> ranks save and exit -> the job requeues
 itself and resumes (checkpoint.resume=auto). A rank's hang watchdog (exit 75, stacks in
 <run dir>/hang/) -> the job requeues and resumes from the last checkpoint, at most
---hang-requeues times. Nothing is written or submitted when a check
+--hang-requeues times. --launcher torchrun --elastic-min-nodes N: a lost node does not end
+the job; the nodes left (at least N) re-form and resume at a smaller DP size. Nothing is
+written or submitted when a check
 fails: layout vs nodes x GPUs, data paths, run directory, time limit vs warning signal.
 """
 
