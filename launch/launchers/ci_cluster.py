@@ -137,6 +137,29 @@ def start_munged(paths: ClusterPaths) -> None:
     _wait_for(paths.munge_socket.exists, "munged", paths)
 
 
+# slurm.conf lines both test clusters (one node, or N: ci_multinode) share.
+SCHEDULING = (
+    # pgid: a job's background children die with it (linuxproc would let them outlive it);
+    # no cgroup plugins: the multi-node cluster's nodes share one cgroup tree.
+    "ProctrackType=proctrack/pgid",
+    "TaskPlugin=task/none",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_CPU",
+    "SchedulerType=sched/builtin",
+    # Look for runnable jobs every 2 s (default 60): a requeued job starts when eligible.
+    "SchedulerParameters=sched_interval=2",
+    "MpiDefault=none",
+    "ReturnToService=2",
+    # No accounting daemon: `scontrol show job` is the record; keep finished jobs an hour.
+    "MinJobAge=3600",
+    "JobAcctGatherType=jobacct_gather/none",
+    "AccountingStorageType=accounting_storage/none",
+    # The node line declares more CPUs (task slots) than the machine has; accept it.
+    "SlurmdParameters=config_overrides",
+    "KillWait=30",
+)
+
+
 def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
     for sub in ("log", "spool", "state"):
         (paths.root / sub).mkdir(parents=True, exist_ok=True)
@@ -157,23 +180,7 @@ def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
         f"SlurmdPidFile={paths.pid_file('slurmd')}",
         f"SlurmctldLogFile={paths.log_file('slurmctld')}",
         f"SlurmdLogFile={paths.log_file('slurmd')}",
-        # pgid: a job's background children die with it (linuxproc would let them outlive it).
-        "ProctrackType=proctrack/pgid",
-        "TaskPlugin=task/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "SchedulerType=sched/builtin",
-        # Look for runnable jobs every 2 s (default 60): a requeued job starts when eligible.
-        "SchedulerParameters=sched_interval=2",
-        "MpiDefault=none",
-        "ReturnToService=2",
-        # No accounting daemon: `scontrol show job` is the record; keep finished jobs an hour.
-        "MinJobAge=3600",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        # The node line declares more CPUs (task slots) than the machine has; accept it.
-        "SlurmdParameters=config_overrides",
-        "KillWait=30",
+        *SCHEDULING,
         _node_line(slots),
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         "",

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from launch.launchers.ci_cluster import (
+    SCHEDULING,
     ClusterPaths,
     SlurmUnavailable,
     _alive,
@@ -240,22 +241,9 @@ def write_config(layout: Layout) -> None:
         f"SlurmdPidFile={root}/slurmd-%n.pid",
         f"SlurmctldLogFile={paths.log_file('slurmctld')}",
         f"SlurmdLogFile={root}/log/slurmd-%n.log",
-        # The nodes share one cgroup tree: no cgroup plugins. pgid: a job's children die with it.
-        "ProctrackType=proctrack/pgid",
-        "TaskPlugin=task/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "SchedulerType=sched/builtin",
-        "SchedulerParameters=sched_interval=2",
-        "MpiDefault=none",
-        "ReturnToService=2",
         # A node that stops answering is DOWN after ~SlurmdTimeout (+ ping interval): its jobs requeue.
         "SlurmdTimeout=10",
-        "MinJobAge=3600",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "SlurmdParameters=config_overrides",
-        "KillWait=30",
+        *SCHEDULING,
         *(f"NodeName={node_name(i)} NodeAddr={layout.address(i)} CPUs={cpus} RealMemory={memory} State=UNKNOWN"
           for i in layout.node_indices()),
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",

@@ -148,3 +148,11 @@ def test_refused_before_any_process_group(case, tmp_path, dataset):
 def test_recipe_unknown(tmp_path):
     expect_refusal("pretrain", ["--recipe", "tiny-lama", "--dry-run"], names=["tiny-lama", "tiny-llama"],
                    cwd=tmp_path)
+
+
+@pytest.mark.parametrize("var", ["GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"])
+def test_interface_override_naming_no_interface(var, tmp_path):
+    """A multi-node knob set for another machine type: refused on any run, before the rendezvous
+    (the loopback-hostname refusal needs a second node: tests/launch/test_multinode.py)."""
+    expect_refusal("pretrain", [*TINY, f"logging.run_dir={tmp_path}/run"], names=[f"{var}=nosuchif0", "unset it"],
+                   cwd=tmp_path, env={var: "nosuchif0"})
