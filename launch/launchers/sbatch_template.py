@@ -58,6 +58,9 @@ class JobSpec:
     command_line: str = ""  # the launch.slurm command that wrote the script
     config_notes: tuple[str, ...] = ()  # config values launch.slurm set, shown in the header
     hang_requeues: int = 3  # requeues after the hang watchdog stopped the ranks (0: none)
+    # torchrun only: keep training on at least this many nodes when nodes are lost (None: off).
+    elastic_min_nodes: Optional[int] = None
+    elastic_restarts: int = 3  # torchrun --max-restarts: re-formations of the group per agent
 
     @property
     def ranks(self) -> int:
@@ -175,6 +178,12 @@ def _directives(spec: JobSpec) -> list[str]:
         ]
     else:
         lines.append(_directive("no-requeue"))
+    if spec.elastic_min_nodes:
+        lines += [
+            "# Elastic: losing a node does not end the job; the torchruns left (at least",
+            f"# {spec.elastic_min_nodes}) re-form the group and resume from the last checkpoint.",
+            _directive("no-kill", why="a failed node leaves the allocation running"),
+        ]
     return lines + [""]
 
 
@@ -217,7 +226,9 @@ def _rendezvous(spec: JobSpec) -> list[str]:
 def _srun_options(spec: JobSpec) -> list[str]:
     pattern = "%j-node%n-%N.log" if spec.logs == "node" else "%j-rank%t.log"
     opts = [f"--output={shlex.quote(output_pattern(spec.run_dir) + '/logs/' + pattern)}",
-            "--open-mode=append", "--label", "--kill-on-bad-exit=1"]
+            "--open-mode=append", "--label"]
+    # Elastic: a lost node's torchrun must not end the step (the others re-form without it).
+    opts += ["--no-kill", "--kill-on-bad-exit=0"] if spec.elastic_min_nodes else ["--kill-on-bad-exit=1"]
     if spec.container_image:
         opts.append(f"--container-image={shlex.quote(spec.container_image)}")
         if spec.container_mounts:
@@ -237,14 +248,32 @@ def _program(spec: JobSpec) -> list[str]:
     if spec.launcher == "srun":
         return [f"{python} {train}"]
     # torchrun: one agent per node; c10d rendezvous on the first node assigns node ranks.
+    nnodes = '--nnodes="$SLURM_JOB_NUM_NODES"'
+    elastic: tuple[str, ...] = ()
+    if spec.elastic_min_nodes:
+        nnodes = f'--nnodes="{spec.elastic_min_nodes}:$SLURM_JOB_NUM_NODES"'
+        # last_call_timeout: how long the survivors wait for more nodes before re-forming.
+        elastic = (f"--max-restarts={spec.elastic_restarts}", "--rdzv-conf=last_call_timeout=5")
     return [f"{python} -m torch.distributed.run"] + ["    " + opt for opt in (
-        '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={spec.tasks_per_node}",
+        nnodes, *elastic, f"--nproc-per-node={spec.tasks_per_node}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
         '--rdzv-id="$SLURM_JOB_ID"',
         # Forward Slurm's USR1 to the workers and give them the warning time to save.
         f"--signals-to-handle={TORCHRUN_SIGNALS}",
         f"--shutdown-timeout={max(spec.signal_seconds, 30)}",
         train)]
+
+
+def _elastic_env(spec: JobSpec) -> list[str]:
+    if not spec.elastic_min_nodes:
+        return []
+    return [
+        "# torchrun shares its rendezvous store with the ranks, and keeps it across a re-formed",
+        "# group: the ranks of the new group then read the old group's addresses and fail",
+        "# (pytorch/pytorch#135712). A store of their own per group avoids it.",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "",
+    ]
 
 
 def _launch(spec: JobSpec) -> list[str]:
@@ -336,4 +365,4 @@ def render(spec: JobSpec) -> str:
                  f"cd {shlex.quote(spec.workdir)}"]
     body.append("")
     return "\n".join(_header(spec) + _directives(spec) + body + _environment(spec)
-                     + _rendezvous(spec) + _launch(spec))
+                     + _rendezvous(spec) + _elastic_env(spec) + _launch(spec))

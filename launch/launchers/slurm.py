@@ -17,7 +17,9 @@ config names another, checkpoints/. One srun task per GPU (or --launcher torchru
 torchrun per node). USR1 before the time limit -> ranks save and exit -> the job requeues
 itself and resumes (checkpoint.resume=auto). A rank's hang watchdog (exit 75, stacks in
 <run dir>/hang/) -> the job requeues and resumes from the last checkpoint, at most
---hang-requeues times. Nothing is written or submitted when a check
+--hang-requeues times. --launcher torchrun --elastic-min-nodes N: a lost node does not end
+the job; the nodes left (at least N) re-form and resume at a smaller DP size. Nothing is
+written or submitted when a check
 fails: layout vs nodes x GPUs, data paths, run directory, time limit vs warning signal.
 """
 
@@ -87,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--no-requeue", action="store_true")
     job.add_argument("--hang-requeues", type=int, default=3, metavar="N",
                      help="requeue at most N times after the hang watchdog stopped the ranks (default 3; 0: never)")
+    job.add_argument("--elastic-min-nodes", type=int, metavar="N",
+                     help="--launcher torchrun: when nodes are lost, keep training on the N or more left "
+                     "(smaller data parallelism, same global batch) instead of ending the job")
+    job.add_argument("--elastic-restarts", type=int, default=3, metavar="K",
+                     help="with --elastic-min-nodes: how often the group may re-form (default 3)")
     job.add_argument("--logs", choices=["node", "rank"], default="node", help="one log file per ...")
     job.add_argument("--no-path-check", action="store_true",
                      help="skip data-path checks (paths this machine cannot see)")
@@ -221,6 +228,33 @@ def check_layout(config: ExperimentConfig, nodes: int, per_node: int, cpu: bool,
                                "groups span two nodes; choose TP dividing the per-node count")
 
 
+def check_elastic(config: ExperimentConfig, args: argparse.Namespace, per_node: int, checks: Checks) -> None:
+    """Every node count torchrun may re-form with (min..nodes) must be a valid world."""
+    low = args.elastic_min_nodes
+    if args.launcher != "torchrun":
+        checks.errors.append("--elastic-min-nodes needs --launcher torchrun (srun cannot re-form a group)")
+        return
+    if not 1 <= low < args.nodes:
+        checks.errors.append(f"--elastic-min-nodes {low} must be at least 1 and below --nodes {args.nodes}")
+        return
+    if args.elastic_restarts < 1:
+        checks.errors.append(f"--elastic-restarts {args.elastic_restarts} must be at least 1")
+    if config.checkpoint.resume != "auto" or config.checkpoint.save_interval < 1:
+        checks.errors.append("--elastic-min-nodes resumes from the last checkpoint: it needs "
+                             "checkpoint.resume=auto and checkpoint.save_interval > 0")
+    bad = []
+    for nodes in range(low, args.nodes):
+        try:
+            validate_for_world(config, nodes * per_node)
+        except ConfigError as exc:
+            bad.append(f"{nodes} node(s) = {nodes * per_node} ranks: {exc}")
+    if bad:
+        checks.errors.append("--elastic-min-nodes {}: the job may go on with any node count from {} to {}, "
+                             "and these do not fit the layout (raise --elastic-min-nodes, or choose a "
+                             "global batch divisible by micro batch x every DP size): {}".format(
+                                 low, low, args.nodes, "; ".join(bad)))
+
+
 def check_time(time_text: str, signal_seconds: int, checks: Checks) -> None:
     try:
         limit = slurm_time_seconds(time_text)
@@ -329,6 +363,8 @@ def plan_job(args: argparse.Namespace, argv: list[str]) -> Plan:
                                f"checkpoint.dir={job_run_dir}/checkpoints")
     check_layout(config, args.nodes, per_node, args.cpu, checks)
     check_time(args.time, args.signal_seconds, checks)
+    if args.elastic_min_nodes is not None:
+        check_elastic(config, args, per_node, checks)
     if args.hang_requeues < 0:
         checks.errors.append(f"--hang-requeues {args.hang_requeues} must be >= 0 (0: never requeue after a hang)")
     if not args.no_path_check:
@@ -349,6 +385,7 @@ def plan_job(args: argparse.Namespace, argv: list[str]) -> Plan:
         signal_seconds=0 if args.no_requeue else args.signal_seconds, requeue=not args.no_requeue,
         logs=args.logs, cpus_per_task=args.cpus_per_task, command_line=_argv_for_header(argv),
         config_notes=tuple(notes), hang_requeues=args.hang_requeues,
+        elastic_min_nodes=args.elastic_min_nodes, elastic_restarts=args.elastic_restarts,
     )
     _check_directive_values(spec, checks)
     if checks.errors:

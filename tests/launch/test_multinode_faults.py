@@ -1,0 +1,234 @@
+"""Faults across nodes, each on a real multi-node Slurm cluster of network namespaces.
+
+One 12-node cluster serves the module; five 2-node jobs (2 ranks per node, DP4, a checkpoint
+every 2 steps) run at once, each hit by one fault after its step-2 checkpoint, while the
+uninterrupted one-node reference (launch.local, same layout) runs here:
+  (a) crash: everything on the job's second node is SIGKILLed mid-run (a power loss) -> Slurm
+      requeues the job, which resumes from the last complete checkpoint on other nodes; every
+      step bitwise equal to the uninterrupted run;
+  (save) the same crash while the job writes its second checkpoint -> the half-written one is
+      never used: the requeued job resumes from the one before, bitwise as in (a);
+  (b) network cut: node 2's link goes down while the ranks wait in a collective -> the hang
+      watchdog ends them (watchdog.timeout_s=20) -> requeue -> resume bitwise; the link comes
+      back while the job trains elsewhere: nothing of the old attempt survives or writes;
+  (c) preemption: USR1 to the batch script -> every rank on both nodes saves -> requeue -> resume;
+  (d) one rank killed on a healthy node -> the job fails once (FAILED, not requeued), and the
+      script's log names the failed task (rank) and its host.
+Measured times (fault -> detected -> training again) are printed. Skips with the reason where a
+cluster cannot run; a failure under PRETRAIN_REQUIRE_SLURM=1 (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.launch.slurm_helpers import REPO, describe, job_info, submit, wait_for_job
+from tests.launch.test_multinode import _cache, _unavailable, _why_not
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+STEPS, SAVE_EVERY = 10, 2
+COMMON = [f"schedule.train_steps={STEPS}", "schedule.seq_length=64", "schedule.global_batch_size=8",
+          "schedule.micro_batch_size=2", "schedule.eval_interval=0", "logging.tensorboard=false",
+          "logging.log_interval=1", f"checkpoint.save_interval={SAVE_EVERY}", "checkpoint.resume=auto"]
+FAULTS = ("crash", "save", "cut", "usr1", "rank")
+# (b): the ranks on both sides of the cut wait in a collective until their hang watchdog ends them.
+EXTRA = {"cut": ["watchdog.timeout_s=20"]}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from launch.launchers import ci_multinode
+    from launch.launchers.ci_cluster import SlurmUnavailable, cluster_env
+
+    reason = _why_not()
+    if reason:
+        _unavailable(reason)
+    root = Path(tempfile.mkdtemp(prefix="pretrain-mf-", dir="/tmp"))
+    # Two spare nodes: requeued jobs need not wait for the nodes the faults took down.
+    layout = ci_multinode.derive_layout(root, 2 * len(FAULTS) + 2)
+    try:
+        ci_multinode.start(layout)
+    except SlurmUnavailable as exc:
+        ci_multinode.stop(root)
+        pytest.fail(f"the multi-node test cluster did not start: {exc}")
+    yield layout, cluster_env(layout.paths)
+    ci_multinode.stop(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if '"loss"' in ln] if path.exists() else []
+
+
+def _last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in _records(run_dir)), default=0)
+
+
+def _nodes_of(job_id: str, env: dict) -> list[str]:
+    nodelist = job_info(job_id, env)["NodeList"]
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=env, capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int:
+    """The training process of global rank `rank` of the job in run_dir (srun: SLURM_PROCID)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "-m pretrain" in cmd and str(run_dir) in cmd:
+            try:
+                if proc.environ().get("SLURM_PROCID") == str(rank):
+                    return proc.pid
+            except psutil.Error:
+                continue
+    raise AssertionError(f"no process of rank {rank} for {run_dir}")
+
+
+@pytest.fixture(scope="module")
+def faults(cluster, tmp_path_factory):
+    """Submit the three jobs, run the reference, strike each job after its step-2 checkpoint."""
+    from data_pipeline.datasets import ensure_demo_dataset
+    from launch.launchers import ci_multinode
+
+    layout, env = cluster
+    base = tmp_path_factory.mktemp("faults")
+    demo = base / "demo"
+    ensure_demo_dataset(str(demo))
+    # Whole nodes per job (sbatch reads SBATCH_EXCLUSIVE): a crashed node hits one job only.
+    env = dict(env, SBATCH_EXCLUSIVE="exclusive")
+    jobs = {}
+    for name in FAULTS:
+        run_dir = base / name
+        jobs[name] = (submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "2", "--ntasks-per-node", "2",
+                              "--partition", "debug", "--time", "10", "--run-dir", str(run_dir), *COMMON,
+                              *EXTRA.get(name, []),
+                              f"data.cache_dir={_cache(base, demo, name)}"], env), run_dir)
+    ref_dir = base / "reference"
+    ref = subprocess.Popen([sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", "4", *COMMON,
+                            f"logging.run_dir={ref_dir}", f"checkpoint.dir={ref_dir}/checkpoints",
+                            f"data.cache_dir={_cache(base, demo, 'reference')}"],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    times: dict[str, dict[str, float]] = {name: {} for name in FAULTS}
+    pending = set(FAULTS)
+    deadline = time.monotonic() + 420
+    while pending:  # strike each job past its first checkpoint (`save`: while it writes the next)
+        assert time.monotonic() < deadline, {n: describe(jobs[n][1]) for n in pending}
+        for name in sorted(pending):
+            job_id, run_dir = jobs[name]
+            if _last_step(run_dir) <= SAVE_EVERY or not (run_dir / "checkpoints" / "latest").exists():
+                continue
+            if name == "save" and not list((run_dir / "checkpoints").glob(".tmp.step_*")):
+                continue
+            times[name]["struck_after_step"] = _last_step(run_dir)
+            if name in ("crash", "save"):
+                victim = _nodes_of(job_id, env)[1]
+                ci_multinode.crash_node(layout, int(victim.removeprefix("mn")))
+                times[name]["node"] = victim
+            elif name == "cut":
+                victim = _nodes_of(job_id, env)[1]
+                ci_multinode.cut_network(layout, int(victim.removeprefix("mn")))
+                times[name]["node"] = victim
+            elif name == "usr1":
+                subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True)
+            else:
+                os.kill(_rank_pid(run_dir, 3), signal.SIGKILL)
+            times[name]["t0"] = time.monotonic()
+            pending.discard(name)
+        time.sleep(0.02)
+    _time_recovery(jobs, times, env)
+    # The cut node comes back while the job trains elsewhere: its stray ranks (if any are
+    # left) must not touch the run's checkpoints.
+    ci_multinode.heal_network(layout, int(times["cut"]["node"].removeprefix("mn")))
+    out = ref.communicate(timeout=400)[0]
+    assert ref.returncode == 0, out[-3000:]
+    finished = {name: wait_for_job(job_id, env, run_dir, timeout=300) for name, (job_id, run_dir) in jobs.items()}
+    return jobs, finished, times, ref_dir
+
+
+def _time_recovery(jobs: dict, times: dict, env: dict, timeout: float = 420) -> None:
+    """Seconds from each strike to the job leaving RUNNING (detected) and to its first step
+    after the requeue (`rank`: to its end, it is not requeued), all jobs polled together so
+    one's wait does not inflate another's."""
+    counts = {name: len(_records(run_dir)) for name, (_, run_dir) in jobs.items()}
+    deadline = time.monotonic() + timeout
+    while any(("detected" if name == "rank" else "training_again") not in times[name] for name in jobs):
+        assert time.monotonic() < deadline, {n: describe(r) for n, (_, r) in jobs.items()}
+        for name, (job_id, run_dir) in jobs.items():
+            now = time.monotonic() - times[name]["t0"]
+            if "detected" not in times[name]:
+                info = job_info(job_id, env)
+                if info["JobState"] != "RUNNING" or int(info.get("Restarts", 0)) > 0:
+                    times[name]["detected"] = now
+            elif "training_again" not in times[name] and len(_records(run_dir)) > counts[name]:
+                times[name]["training_again"] = now
+        time.sleep(0.25)
+
+
+def _by_step(records: list[dict]) -> dict[int, list[tuple[float, float]]]:
+    steps: dict[int, list[tuple[float, float]]] = {}
+    for r in records:
+        steps.setdefault(r["step"], []).append((r["loss"], r["grad_norm"]))
+    return steps
+
+
+@pytest.mark.parametrize("name", ["crash", "save", "cut", "usr1"])
+def test_requeued_job_resumes_bitwise(faults, name):
+    """(a) node crash, a node crash during a save, and (c) USR1: requeued once, resumed from a complete checkpoint, every
+    step (the re-run ones too) bitwise equal to the uninterrupted one-node run."""
+    jobs, finished, times, ref_dir = faults
+    job_id, run_dir = jobs[name]
+    info = finished[name]
+    restarts = int(info["Restarts"])
+    # A cut: the script's hang requeue and Slurm's node-failure requeue may both count.
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", describe(run_dir)
+    assert restarts == 1 or (name == "cut" and restarts == 2), info
+    # checkpoint.keep_last (3): the last three saves, complete, `latest` the final one.
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(("step_", "latest")))
+    assert ckpts == ["latest"] + [f"step_{s:08d}" for s in range(STEPS - 2 * SAVE_EVERY, STEPS + 1, SAVE_EVERY)], ckpts
+    assert all((run_dir / "checkpoints" / c / "COMPLETE").is_file() for c in ckpts[1:])
+    reference = {r["step"]: (r["loss"], r["grad_norm"]) for r in _records(ref_dir)}
+    got = _by_step(_records(run_dir))
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1)), (sorted(got), sorted(reference))
+    for step, seen in sorted(got.items()):
+        assert all(s == reference[step] for s in seen), f"{name} step {step}: {seen} != {reference[step]}"
+    log = "\n".join(p.read_text() for p in (run_dir / "logs").glob(f"{job_id}-node*.log"))
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    assert resumed and resumed[0] >= SAVE_EVERY and resumed[0] <= times[name]["struck_after_step"] + 1, log[-2000:]
+    if name == "save":
+        # The save the crash interrupted never became a checkpoint: resumed from the one before.
+        assert resumed[0] < times[name]["struck_after_step"] + 1 and resumed[0] % SAVE_EVERY == 0, (resumed, times)
+    if name == "cut":
+        assert list((run_dir / "hang").glob("rank_*.txt")), "no hang report"
+        left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+        assert not left, f"ranks of the cut node still alive after the heal: {left}"
+    if name == "usr1":
+        # Every rank on both nodes took part in the preemption save: the checkpoint is complete.
+        assert resumed[0] >= times[name]["struck_after_step"], (resumed, times[name])
+        assert "USR1: asking the ranks to save" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    print(f"\n{name}: struck after step {times[name]['struck_after_step']}, detected +{times[name]['detected']:.1f} s, "
+          f"training again +{times[name]['training_again']:.1f} s, resumed from step {resumed[0]}")
+
+
+def test_a_failed_rank_on_a_healthy_node_fails_the_job_once_naming_it(faults):
+    """(d): FAILED, not requeued (no loop), and the log names the task (= rank) and host."""
+    jobs, finished, times, _ = faults
+    job_id, run_dir = jobs["rank"]
+    info = finished["rank"]
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, describe(run_dir))
+    script_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert re.search(r"srun: error: mn\d+: task 3: Killed", script_log), script_log[-2000:]
+    print(f"\nrank: killed after step {times['rank']['struck_after_step']}, job FAILED +{times['rank']['detected']:.1f} s")
