@@ -8,11 +8,14 @@ PRETRAIN_REQUIRE_SLURM=1 (CI) to make that a failure instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +60,44 @@ def slurm_env():
         queue = subprocess.run(["squeue", "--noheader"], env=cluster_env(paths), capture_output=True, text=True)
         if not queue.stdout.strip():  # another session may still be using it
             stop(paths)
+
+
+def _multinode_unavailable() -> str | None:
+    """Why a multi-node cluster of network namespaces cannot run here (None: it can)."""
+    missing = missing_binaries()
+    if missing:
+        return (f"Slurm is not installed (missing {', '.join(missing)}); `bash launch/launchers/ci_slurm.sh "
+                "install` installs it (as root; .ci/run does)")
+    if os.geteuid() != 0:
+        return "a multi-node test cluster needs root (network namespaces, bind mounts)"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True) if shutil.which("ip") else None
+    if probe is None or probe.returncode != 0:
+        return "`ip netns` is not available (install iproute2; network namespaces need CAP_NET_ADMIN)"
+    return None
+
+
+@contextlib.contextmanager
+def multinode_cluster(nodes: int, prefix: str):
+    """A test module's own multi-node cluster (its directory, names, subnet: never a user's):
+    yields (layout, client environment); stopped at the end, checked to leave nothing behind."""
+    from launch.launchers import ci_multinode
+
+    reason = _multinode_unavailable()
+    if reason:
+        _unavailable(reason)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: the munge socket path
+    layout = ci_multinode.derive_layout(root, nodes)
+    try:
+        ci_multinode.start(layout)
+    except SlurmUnavailable as exc:
+        ci_multinode.stop(root)
+        pytest.fail(f"the multi-node test cluster did not start: {exc}")
+    yield layout, cluster_env(layout.paths)
+    ci_multinode.stop(root)
+    left = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if ns.startswith(layout.prefix)]
+    assert not left and not ci_multinode._link_exists(layout.bridge), f"stop left {left} / {layout.bridge}"
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def launch(args: list[str], env: dict) -> subprocess.CompletedProcess:

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.launch.slurm_helpers import REPO, describe, submit, wait_for_job
+from tests.launch.slurm_helpers import REPO, describe, multinode_cluster, submit, wait_for_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -42,49 +39,11 @@ LAYOUTS = {
 RESHARD_TOL = dict(rel_tol=1e-5, abs_tol=1e-6)
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("PRETRAIN_REQUIRE_SLURM") == "1":
-        pytest.fail(f"PRETRAIN_REQUIRE_SLURM=1 but {reason}")
-    pytest.skip(reason)
-
-
-def _why_not() -> str | None:
-    from launch.launchers.ci_cluster import missing_binaries
-
-    missing = missing_binaries()
-    if missing:
-        return (f"Slurm is not installed (missing {', '.join(missing)}); `bash launch/launchers/ci_slurm.sh "
-                "install` installs it (as root; .ci/run does)")
-    if os.geteuid() != 0:
-        return "a multi-node test cluster needs root (network namespaces, bind mounts)"
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True) if shutil.which("ip") else None
-    if probe is None or probe.returncode != 0:
-        return "`ip netns` is not available (install iproute2; network namespaces need CAP_NET_ADMIN)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """A 2-node cluster of this module's own (its directory, names, subnet): never a user's."""
-    from launch.launchers import ci_multinode
-    from launch.launchers.ci_cluster import SlurmUnavailable, cluster_env
-
-    reason = _why_not()
-    if reason:
-        _unavailable(reason)
-    root = Path(tempfile.mkdtemp(prefix="pretrain-mn-", dir="/tmp"))  # short: the munge socket path
-    layout = ci_multinode.derive_layout(root, 2)
-    try:
-        ci_multinode.start(layout)
-    except SlurmUnavailable as exc:
-        ci_multinode.stop(root)
-        pytest.fail(f"the multi-node test cluster did not start: {exc}")
-    yield layout, cluster_env(layout.paths)
-    ci_multinode.stop(root)
-    left = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-            if ns.startswith(layout.prefix)]
-    assert not left and not ci_multinode._link_exists(layout.bridge), f"stop left {left} / {layout.bridge}"
-    shutil.rmtree(root, ignore_errors=True)
+    """A 2-node cluster of this module's own."""
+    with multinode_cluster(2, "pretrain-mn-") as cluster:
+        yield cluster
 
 
 def read_steps(run_dir: Path) -> dict[int, tuple[float, float]]:

@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.launch.slurm_helpers import REPO, describe, job_info, submit, wait_for_job
-from tests.launch.test_multinode import _cache, _unavailable, _why_not
+from tests.launch.slurm_helpers import REPO, describe, job_info, multinode_cluster, submit, wait_for_job
+from tests.launch.test_multinode import _cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -49,23 +47,9 @@ EXTRA = {"cut": ["watchdog.timeout_s=20"]}
 
 @pytest.fixture(scope="module")
 def cluster():
-    from launch.launchers import ci_multinode
-    from launch.launchers.ci_cluster import SlurmUnavailable, cluster_env
-
-    reason = _why_not()
-    if reason:
-        _unavailable(reason)
-    root = Path(tempfile.mkdtemp(prefix="pretrain-mf-", dir="/tmp"))
     # Two spare nodes: requeued jobs need not wait for the nodes the faults took down.
-    layout = ci_multinode.derive_layout(root, 2 * len(FAULTS) + 2)
-    try:
-        ci_multinode.start(layout)
-    except SlurmUnavailable as exc:
-        ci_multinode.stop(root)
-        pytest.fail(f"the multi-node test cluster did not start: {exc}")
-    yield layout, cluster_env(layout.paths)
-    ci_multinode.stop(root)
-    shutil.rmtree(root, ignore_errors=True)
+    with multinode_cluster(2 * len(FAULTS) + 2, "pretrain-mf-") as cluster:
+        yield cluster
 
 
 def _records(run_dir: Path) -> list[dict]:
