@@ -12,9 +12,12 @@ Here instead:
   and reused, so later saves copy into memory that is already paged in (~10 GB/s);
 - `staging(pool)`: while dist_checkpointing plans a save, every tensor it will write is
   copied into the pool and handed over in its place;
-- `WriterCaller`: one writer process, spawned when the checkpointer is made (small, no
-  copy of the trainer's memory), receives each save's write plan with handles to the
-  shared staging tensors and runs dist_checkpointing's own file writer on it.
+- `WriterCaller`: one writer process, spawned at the first async save (a fresh
+  interpreter, no copy of the trainer's memory: it costs ~4.5 CPU-s of imports, which a run
+  that never saves asynchronously should not pay), receives each save's write plan with
+  handles to the shared staging tensors, runs dist_checkpointing's own file writer on it
+  and sends the write results back with its done message (megatron_fixes.dist_checkpointing
+  fix 2: no Manager process).
 
 The next save waits for the previous one (Checkpointer.save), so a staging tensor is never
 overwritten while the writer still reads it.
@@ -165,10 +168,10 @@ def helper_process_init() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def start_write_results_queue() -> None:
-    """dist_checkpointing's write-results Manager, started now as a helper process
-    (megatron_fixes.dist_checkpointing says why)."""
-    checkpointing_fixes.start_write_results_queue(helper_process_init)
+class _ResultsQueue:
+    """Stands in a request's arguments for the trainer's write-results queue, which cannot
+    cross to the writer process: the writer gives the write function a queue of its own and
+    sends what was put in it back with the done message."""
 
 
 def _writer_loop(requests, done, parent_pid: int) -> None:
@@ -188,12 +191,14 @@ def _writer_loop(requests, done, parent_pid: int) -> None:
         if item is None:
             return
         call_idx, fn, args, kwargs = item
+        results: queue.Queue = queue.Queue()
+        args = [results if isinstance(a, _ResultsQueue) else a for a in args]
         try:
             fn(*args, **kwargs)
-            done.put((call_idx, None))
+            done.put((call_idx, None, [results.get_nowait() for _ in range(results.qsize())]))
         except BaseException:  # reported to the trainer, which raises it on every rank
-            done.put((call_idx, traceback.format_exc()))
-        del item, fn, args, kwargs
+            done.put((call_idx, traceback.format_exc(), []))
+        del item, fn, args, kwargs, results
 
 
 class WriterCaller(AsyncCaller):
@@ -208,6 +213,7 @@ class WriterCaller(AsyncCaller):
                                    args=(self._requests, self._done, os.getpid()))
         self.process.start()
         self._active: int | None = None
+        self._results = checkpointing_fixes.write_results_queue()
         atexit.register(self.close)
 
     def schedule_async_call(self, async_req) -> None:
@@ -215,14 +221,14 @@ class WriterCaller(AsyncCaller):
             return
         # preload_fn only moves GPU tensors to the host; ours are staged on the host already.
         self._active = async_req.call_idx
-        self._requests.put((async_req.call_idx, async_req.async_fn, list(async_req.async_fn_args),
-                            dict(async_req.async_fn_kwargs or {})))
+        args = [_ResultsQueue() if a is self._results else a for a in async_req.async_fn_args]
+        self._requests.put((async_req.call_idx, async_req.async_fn, args, dict(async_req.async_fn_kwargs or {})))
 
     def _finished(self, blocking: bool) -> bool:
         """Whether this rank's current write is done; raises if it failed."""
         while self._active is not None:
             try:
-                call_idx, error = self._done.get(timeout=1.0) if blocking else self._done.get_nowait()
+                call_idx, error, reported = self._done.get(timeout=1.0) if blocking else self._done.get_nowait()
             except queue.Empty:
                 if not self.process.is_alive():
                     raise WriterError(f"the checkpoint writer process died (exit code "
@@ -231,6 +237,8 @@ class WriterCaller(AsyncCaller):
                 if not blocking:
                     return False
                 continue
+            for item in reported:  # where the trainer's finalize step reads them
+                self._results.put(item)
             if error is not None:
                 self._active = None
                 raise WriterError(f"writing the checkpoint failed in the writer process:\n{error}")

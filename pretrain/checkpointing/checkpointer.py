@@ -229,10 +229,9 @@ class Checkpointer:
         self.tracker_runs = tracker_runs  # written into every checkpoint's meta.json
         self.root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
         self._queue = self._pool = None
-        if self.root is not None:
-            async_writer.start_write_results_queue()
-            if config.checkpoint.async_save:
-                self._queue, self._pool = async_writer.WriterQueue(), async_writer.StagingPool()
+        if self.root is not None and config.checkpoint.async_save:
+            # The writer process is started by the first async save, not here.
+            self._pool = async_writer.StagingPool()
 
     def save(self, step: int, run_state, *, last_step: bool = False, stop: bool = False) -> None:
         """Finalize a finished async save; save this step if it is due (every
@@ -240,14 +239,20 @@ class Checkpointer:
         self.poll()
         interval = self.config.checkpoint.save_interval
         if self.root is not None and (last_step or stop or (interval and step % interval == 0)):
-            self.save_now(step, run_state)
+            # The run waits for its last save and a stop save anyway: written in this process,
+            # with no staging copy (and no writer process started for it).
+            self.save_now(step, run_state, in_process=last_step or stop)
 
-    def save_now(self, step: int, run_state) -> None:
-        """Save this step now (async if configured: returns once the state is staged)."""
+    def save_now(self, step: int, run_state, in_process: bool = False) -> None:
+        """Save this step now: async if configured and not `in_process` (returns once the
+        state is staged), else written before it returns."""
         if self.root is None:
             raise CheckpointError("checkpoint.dir is unset: nowhere to save")
         self.wait()  # at most one save in flight: the next save waits for the previous
-        request = _write_shards(self.root, step, run_state, self._pool, self.log)
+        pool = None if in_process else self._pool
+        if pool is not None and self._queue is None:
+            self._queue = async_writer.WriterQueue()
+        request = _write_shards(self.root, step, run_state, pool, self.log)
         keep = self.config.checkpoint.keep_last
 
         def finalize():

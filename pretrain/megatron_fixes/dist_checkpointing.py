@@ -8,13 +8,16 @@
    it to stage an async save into reused shared memory, and to hand a sync save whole-storage
    aliases instead of the clones of every view that the writer would otherwise make
    (pretrain.checkpointing.async_writer says why each matters).
-2. The write-results Manager started up front. Every save (sync or async) reports through
+2. No write-results Manager. Every save (sync or async) reports its write results through
    `filesystem_async._get_write_results_queue()`, which spawns a multiprocessing Manager at
-   the first save: seconds of start-up, and under Slurm exposed to the stop signal that
-   asked for that very save (seen: the Manager killed by USR1 as it started, the stop-save
-   failing). `start_write_results_queue()` starts it when the checkpointer is made, as a
-   helper that ignores stop signals and dies with its rank, and sets the module global the
-   function returns from then on.
+   the first save. That Manager is a fresh interpreter per rank (it re-imports `__main__`,
+   torch and our modules: ~5 CPU-s, measured on a one-step tiny-llama run) and, under Slurm,
+   is exposed to the stop signal that asked for the save (seen: killed by USR1 as it
+   started, the stop-save failing). Our saves report from the process that asked for them
+   (a sync save) or from our own writer process, which sends the results back with its
+   done message (pretrain.checkpointing.async_writer). So `apply()` sets the module global
+   the function returns to a plain in-process `queue.Queue`. Megatron's own async callers
+   (which fork and report through that queue) are not used here.
 3. Loading never runs code from a checkpoint. torch's `FileSystemReader.read_metadata`
    (distributed/checkpoint/filesystem.py, `pickle.load`) unpickles a checkpoint's `.metadata`
    with no restriction, and `DefaultLoadPlanner.load_bytes` (default_planner.py) unpickles
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import multiprocessing as mp
+import queue
 from typing import Callable, Optional
 
 import torch
@@ -119,17 +122,20 @@ def _install_resolve_data_hook() -> None:
     MCoreSavePlanner.resolve_data = resolve_data
 
 
-def start_write_results_queue(initializer: Callable) -> None:
-    """Start dist_checkpointing's write-results Manager now (see 2 above); `initializer` runs
-    in the Manager process (ours: ignore stop signals, die with the rank)."""
-    from multiprocessing.managers import SyncManager
-
+def install_write_results_queue() -> None:
+    """Fix 2: write results reported in-process, through a plain queue."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=initializer)
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
+
+
+def write_results_queue() -> queue.Queue:
+    """The queue dist_checkpointing's savers report their write results to (fix 2)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    install_write_results_queue()
+    return filesystem_async._results_queue
 
 
 def install_write_hashing() -> None:
@@ -159,3 +165,4 @@ def apply() -> None:
     _install_resolve_data_hook()
     _install_safe_loading()
     install_write_hashing()
+    install_write_results_queue()

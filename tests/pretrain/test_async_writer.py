@@ -108,21 +108,43 @@ def test_staging_room_is_shared_by_the_node_ranks(monkeypatch, env, expected):
     assert _ranks_on_this_node() == expected
 
 
-def test_write_results_manager_outlives_slurm_stop_signals():
-    """Slurm signals every process of a job step; the Manager dist_checkpointing reports
-    through must survive SIGTERM/SIGUSR1 while its rank saves (it died of one once)."""
-    import signal
-    import time
+def _report(rank: int, written: list, results) -> None:
+    """Reports as dist_checkpointing's write function does: into the queue it is given."""
+    results.put({rank: written})
+
+
+def test_the_writer_sends_write_results_back_to_the_trainer_queue(tmp_path):
+    """No Manager process: the trainer's results queue is in-process; the writer gives the
+    write function a queue of its own and the results come back with its done message."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain.checkpointing.async_writer import start_write_results_queue
+    from pretrain.megatron_fixes.dist_checkpointing import write_results_queue
 
-    start_write_results_queue()
-    results = filesystem_async._results_queue
-    pid = results._manager._process.pid
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        os.kill(pid, sig)
-    time.sleep(0.5)
-    results.put("written")
-    assert results.get(timeout=10) == "written"
+    results = write_results_queue()
+    assert isinstance(results, queue.Queue) and filesystem_async._get_write_results_queue() is results
+    caller = WriterCaller()
+    try:
+        caller.schedule_async_call(_request(_report, 3, ["shard_0.distcp"], results))
+        assert caller.is_current_async_call_done(blocking=True, no_dist=True)
+        assert results.get_nowait() == {3: ["shard_0.distcp"]} and results.empty()
+    finally:
+        caller.close()
+
+
+def test_no_helper_process_until_the_first_async_save(tmp_path):
+    """Making the checkpointer starts nothing (a run whose only save is its last one, written
+    in-process, never starts the ~4.5 CPU-s writer interpreter)."""
+    import multiprocessing
+
+    from pretrain.checkpointing.checkpointer import Checkpointer
+    from pretrain.recipes import get_recipe
+
+    config = get_recipe("tiny-llama")
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
+        update={"dir": str(tmp_path), "async_save": True})})
+    before = set(multiprocessing.active_children())
+    saver = Checkpointer(config, 1, print)
+    assert set(multiprocessing.active_children()) == before and saver._queue is None
+    saver.close()
