@@ -17,9 +17,12 @@ start-up when upstream has changed the patched object:
   tensor after loading; and its fully-reshardable save state built without Megatron's
   triple copy (`optimizer_save`).
 - `dist_checkpointing`: dist_checkpointing's save planner hands tensors through a hook (async
-  staging, no clones for sync saves); the write-results Manager started up front; safe
-  loading (no code runs from a checkpoint); shards hashed as they are written.
+  staging, no clones for sync saves); write results reported in-process (no Manager process
+  per rank); safe loading (no code runs from a checkpoint); shards hashed as they are written.
 - `fsdp`: Megatron-FSDP (ZeRO-2/3, HSDP) on CPU, and the 0.16.1 bugs its layouts avoid.
+- `import_cost`: the torch.compile wrappers megatron.core builds as it is imported (2.8 CPU-s
+  per process) deferred to each function's first call; installed when `pretrain` is imported
+  (it must precede megatron.core's import), its guard checked here.
 
 Not here, because it is per model rather than per process: `models/rope.py` completes
 Megatron-Core's Llama-3.1 RoPE scaling (GPTModel passes only the factor) with the model's
@@ -57,12 +60,13 @@ def apply(*, cpu: bool | None = None) -> None:
     CUDA is absent. Call before building models or optimizers."""
     import torch
 
-    from pretrain.megatron_fixes import dist_checkpointing, no_te, optimizer
+    from pretrain.megatron_fixes import dist_checkpointing, import_cost, no_te, optimizer
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     quiet_cpu_fallback_warnings()
-    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply)]
+    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply),
+             ("import_cost", import_cost.apply)]
     if cpu:
         from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 

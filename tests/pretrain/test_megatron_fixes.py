@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.megatron_fixes import _guard, cpu, dist_checkpointing, fsdp, no_te, optimizer
+from pretrain.megatron_fixes import _guard, cpu, dist_checkpointing, fsdp, import_cost, no_te, optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "models", "data_pipeline", "launch", "checkpoints_tools")
@@ -24,7 +24,7 @@ def test_every_pin_matches_the_installed_megatron_core():
     result = subprocess.run([sys.executable, "-m", "pretrain.megatron_fixes", "--digests"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0 and "CHANGED" not in result.stdout, result.stdout + result.stderr
-    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, fsdp, optimizer, dist_checkpointing))
+    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, fsdp, optimizer, dist_checkpointing, import_cost))
     assert result.stdout.count("\nok ") == pinned >= 10
 
 
@@ -62,3 +62,32 @@ def test_megatron_core_is_patched_only_inside_megatron_fixes():
             continue
         found += [f"{path.relative_to(REPO)}: {m.group(0).strip()}" for m in assignment.finditer(path.read_text())]
     assert not found
+
+
+def test_compile_on_first_call_defers_torch_compile_with_its_options():
+    calls = []
+
+    def real_compile(model, **options):
+        calls.append(options)
+        return lambda *args: ("compiled", model(*args))
+
+    deferred = import_cost.compile_on_first_call(real_compile)
+    plus_one = deferred(lambda x: x + 1)
+    assert calls == []  # decorating compiles nothing
+    assert plus_one(1) == ("compiled", 2) and plus_one(2) == ("compiled", 3) and calls == [{}]
+    tuned = deferred(mode="max-autotune")(lambda x: x)
+    assert tuned(5) == ("compiled", 5) and calls == [{}, {"mode": "max-autotune"}]
+
+
+def test_importing_megatron_core_after_pretrain_builds_no_compile_wrapper():
+    """The inductor backend is not imported, torch.compile is torch's own again afterwards,
+    megatron.core's `jit_fuser` defers, and megatron.core's loader is its own (inspect works)."""
+    code = ("import sys, inspect, torch, pretrain, megatron.core\n"
+            "from megatron.core.jit import jit_fuser\n"
+            "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor imported'\n"
+            "assert torch.compile.__module__ == 'torch' and torch.compile.__name__ == 'compile'\n"
+            "assert getattr(jit_fuser(lambda x: x), 'deferred_compile', False)\n"
+            "assert type(megatron.core.__loader__).__name__ == 'SourceFileLoader'\n"
+            "assert 'jit' in inspect.getsource(megatron.core.jit)\n")
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
