@@ -252,8 +252,11 @@ def _program(spec: JobSpec) -> list[str]:
     elastic: tuple[str, ...] = ()
     if spec.elastic_min_nodes:
         nnodes = f'--nnodes="{spec.elastic_min_nodes}:$SLURM_JOB_NUM_NODES"'
-        # last_call_timeout: how long the survivors wait for more nodes before re-forming.
-        elastic = (f"--max-restarts={spec.elastic_restarts}", "--rdzv-conf=last_call_timeout=5")
+        # last_call_timeout: how long a rendezvous waits for more nodes once the minimum has
+        # joined, at the first formation as after a loss. torch's default, 30 s: with 5 s a
+        # loaded 2-node test job once formed on its first node alone (the second node's torchrun
+        # joined later and waited), training at half the DP it was given.
+        elastic = (f"--max-restarts={spec.elastic_restarts}", "--rdzv-conf=last_call_timeout=30")
     return [f"{python} -m torch.distributed.run"] + ["    " + opt for opt in (
         nnodes, *elastic, f"--nproc-per-node={spec.tasks_per_node}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import random
 import shutil
 import time
@@ -182,9 +183,22 @@ def training_meta(config: ExperimentConfig, step: int, world_size: int,
     )
 
 
+# Fault drills: every rank waits this long with its shards written and the checkpoint not yet
+# complete, a window in which to crash a node mid-save (tests/launch/test_multinode_faults.py
+# sets it for one job with `launch.slurm --env`). Unset, as in every real run: no wait.
+FAULT_SAVE_PAUSE_ENV = "PRETRAIN_FAULT_SAVE_PAUSE_S"
+
+
+def _fault_drill_pause() -> None:
+    seconds = float(os.environ.get(FAULT_SAVE_PAUSE_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, keep_last: int, log,
               tracker_runs: Optional[dict] = None) -> Path:
     """Mark the checkpoint complete, move it into place, advance `latest` (all ranks call)."""
+    _fault_drill_pause()
     dist.barrier()  # every rank's shards are on disk
     final = root / step_dir_name(step)
     tmp = root / tmp_dir_name(step)

@@ -13,7 +13,11 @@ uninterrupted one-node reference (launch.local, same layout) runs here:
       back while the job trains elsewhere: nothing of the old attempt survives or writes;
   (c) preemption: USR1 to the batch script -> every rank on both nodes saves -> requeue -> resume;
   (d) one rank killed on a healthy node -> the job fails once (FAILED, not requeued), and the
-      script's log names the failed task (rank) and its host.
+      script's log names the failed task (rank) and its host;
+  (elastic) the crash of (a) under `--launcher torchrun --elastic-min-nodes 1`: not requeued;
+      the job keeps running on the node left (Slurm shrinks the allocation), whose torchrun
+      re-forms the group at DP2 and resumes resharded: the steps before the crash bitwise equal
+      to the uninterrupted DP4 run, those after at fp32 reduction tolerance.
 Measured times (fault -> detected -> training again) are printed. Skips with the reason where a
 cluster cannot run; a failure under PRETRAIN_REQUIRE_SLURM=1 (CI).
 """
@@ -40,9 +44,18 @@ STEPS, SAVE_EVERY = 10, 2
 COMMON = [f"schedule.train_steps={STEPS}", "schedule.seq_length=64", "schedule.global_batch_size=8",
           "schedule.micro_batch_size=2", "schedule.eval_interval=0", "logging.tensorboard=false",
           "logging.log_interval=1", f"checkpoint.save_interval={SAVE_EVERY}", "checkpoint.resume=auto"]
-FAULTS = ("crash", "save", "cut", "usr1", "rank")
-# (b): the ranks on both sides of the cut wait in a collective until their hang watchdog ends them.
-EXTRA = {"cut": ["watchdog.timeout_s=20"]}
+FAULTS = ("crash", "save", "cut", "usr1", "rank", "elastic")
+EXTRA = {
+    # (b): the ranks on both sides of the cut wait in a collective until their hang watchdog ends them.
+    "cut": ["watchdog.timeout_s=20"],
+    # A save takes milliseconds here: each of this job's saves waits 3 s with its shards written
+    # and the checkpoint not yet complete (pretrain.checkpointing.checkpointer, a fault drill).
+    "save": ["--env", "PRETRAIN_FAULT_SAVE_PAUSE_S=3"],
+    # The rendezvous store lives on the first node, which survives (the crash takes the second).
+    "elastic": ["--launcher", "torchrun", "--elastic-min-nodes", "1"],
+}
+# DP4 -> DP2 sums in another order: fp32 reduction tolerance (as tests/launch/test_multinode.py).
+RESHARD_TOL = dict(rel=1e-5, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +76,12 @@ def _last_step(run_dir: Path) -> int:
     return max((r["step"] for r in _records(run_dir)), default=0)
 
 
-def _nodes_of(job_id: str, env: dict) -> list[str]:
-    nodelist = job_info(job_id, env)["NodeList"]
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=env, capture_output=True, text=True)
+def _nodes_of(name: str, job_id: str, env: dict) -> list[str]:
+    """The nodes of a job that must still be running: a job struck after it ended would hit
+    nodes that another job may hold by then."""
+    info = job_info(job_id, env)
+    assert info["JobState"] == "RUNNING", f"{name}: job {job_id} is {info['JobState']} before it could be struck"
+    out = subprocess.run(["scontrol", "show", "hostnames", info["NodeList"]], env=env, capture_output=True, text=True)
     return out.stdout.split()
 
 
@@ -84,7 +100,8 @@ def _rank_pid(run_dir: Path, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def faults(cluster, tmp_path_factory):
-    """Submit the three jobs, run the reference, strike each job after its step-2 checkpoint."""
+    """Submit every job (started together), run the reference, strike each job after
+    its step-2 checkpoint."""
     from data_pipeline.datasets import ensure_demo_dataset
     from launch.launchers import ci_multinode
 
@@ -94,13 +111,21 @@ def faults(cluster, tmp_path_factory):
     ensure_demo_dataset(str(demo))
     # Whole nodes per job (sbatch reads SBATCH_EXCLUSIVE): a crashed node hits one job only.
     env = dict(env, SBATCH_EXCLUSIVE="exclusive")
+    # No job starts until all are submitted (each submission is a launch.slurm process, seconds
+    # under load; sbatch 22.05 reads no SBATCH_HOLD): started together, they reach their first
+    # checkpoint together, and the first does not finish before the striker looks at it.
+    partition = ["scontrol", "update", "PartitionName=debug"]
+    subprocess.run([*partition, "State=DOWN"], env=env, check=True)
     jobs = {}
-    for name in FAULTS:
-        run_dir = base / name
-        jobs[name] = (submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "2", "--ntasks-per-node", "2",
-                              "--partition", "debug", "--time", "10", "--run-dir", str(run_dir), *COMMON,
-                              *EXTRA.get(name, []),
-                              f"data.cache_dir={_cache(base, demo, name)}"], env), run_dir)
+    try:
+        for name in FAULTS:
+            run_dir = base / name
+            jobs[name] = (submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "2", "--ntasks-per-node", "2",
+                                  "--partition", "debug", "--time", "10", "--run-dir", str(run_dir), *COMMON,
+                                  *EXTRA.get(name, []),
+                                  f"data.cache_dir={_cache(base, demo, name)}"], env), run_dir)
+    finally:
+        subprocess.run([*partition, "State=UP"], env=env, check=True)
     ref_dir = base / "reference"
     ref = subprocess.Popen([sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", "4", *COMMON,
                             f"logging.run_dir={ref_dir}", f"checkpoint.dir={ref_dir}/checkpoints",
@@ -118,12 +143,12 @@ def faults(cluster, tmp_path_factory):
             if name == "save" and not list((run_dir / "checkpoints").glob(".tmp.step_*")):
                 continue
             times[name]["struck_after_step"] = _last_step(run_dir)
-            if name in ("crash", "save"):
-                victim = _nodes_of(job_id, env)[1]
+            if name in ("crash", "save", "elastic"):
+                victim = _nodes_of(name, job_id, env)[1]
                 ci_multinode.crash_node(layout, int(victim.removeprefix("mn")))
                 times[name]["node"] = victim
             elif name == "cut":
-                victim = _nodes_of(job_id, env)[1]
+                victim = _nodes_of(name, job_id, env)[1]
                 ci_multinode.cut_network(layout, int(victim.removeprefix("mn")))
                 times[name]["node"] = victim
             elif name == "usr1":
@@ -144,9 +169,10 @@ def faults(cluster, tmp_path_factory):
 
 
 def _time_recovery(jobs: dict, times: dict, env: dict, timeout: float = 420) -> None:
-    """Seconds from each strike to the job leaving RUNNING (detected) and to its first step
-    after the requeue (`rank`: to its end, it is not requeued), all jobs polled together so
-    one's wait does not inflate another's."""
+    """Seconds from each strike to the job leaving RUNNING (detected; `elastic`: its survivor's
+    torchrun seeing its workers fail) and to its first step after the requeue or the
+    re-formation (`rank`: to its end, it is not requeued), all jobs polled together so one's
+    wait does not inflate another's."""
     counts = {name: len(_records(run_dir)) for name, (_, run_dir) in jobs.items()}
     deadline = time.monotonic() + timeout
     while any(("detected" if name == "rank" else "training_again") not in times[name] for name in jobs):
@@ -154,12 +180,21 @@ def _time_recovery(jobs: dict, times: dict, env: dict, timeout: float = 420) -> 
         for name, (job_id, run_dir) in jobs.items():
             now = time.monotonic() - times[name]["t0"]
             if "detected" not in times[name]:
-                info = job_info(job_id, env)
-                if info["JobState"] != "RUNNING" or int(info.get("Restarts", 0)) > 0:
+                if name == "elastic":
+                    seen = "failed (exitcode" in _node_log(run_dir, job_id, 0)
+                else:
+                    info = job_info(job_id, env)
+                    seen = info["JobState"] != "RUNNING" or int(info.get("Restarts", 0)) > 0
+                if seen:
                     times[name]["detected"] = now
             elif "training_again" not in times[name] and len(_records(run_dir)) > counts[name]:
                 times[name]["training_again"] = now
         time.sleep(0.25)
+
+
+def _node_log(run_dir: Path, job_id: str, node: int) -> str:
+    logs = list((run_dir / "logs").glob(f"{job_id}-node{node}-*.log"))
+    return logs[0].read_text(errors="replace") if logs else ""
 
 
 def _by_step(records: list[dict]) -> dict[int, list[tuple[float, float]]]:
@@ -216,3 +251,35 @@ def test_a_failed_rank_on_a_healthy_node_fails_the_job_once_naming_it(faults):
     script_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert re.search(r"srun: error: mn\d+: task 3: Killed", script_log), script_log[-2000:]
     print(f"\nrank: killed after step {times['rank']['struck_after_step']}, job FAILED +{times['rank']['detected']:.1f} s")
+
+
+def test_elastic_job_loses_a_node_and_keeps_training_on_the_other(faults):
+    """(elastic): not requeued; the allocation shrinks to the surviving node, whose torchrun
+    re-forms the group at DP2 and resumes resharded from the last complete checkpoint with the
+    same global batch; steps run once before the crash bitwise, the re-run ones and those after
+    at fp32 reduction tolerance of the uninterrupted DP4 run."""
+    jobs, finished, times, ref_dir = faults
+    job_id, run_dir = jobs["elastic"]
+    info = finished["elastic"]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), describe(run_dir)
+    victim = times["elastic"]["node"]
+    assert info["NodeList"] != victim and "," not in info["NodeList"] and "[" not in info["NodeList"], info
+    script_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert f"srun: error: Node failure on {victim}" in script_log, script_log[-2000:]
+    assert "training exited with status 0" in script_log, script_log[-2000:]
+    log = _node_log(run_dir, job_id, 0)
+    assert "world 4 = TP1xPP1xDP4" in log and "world 2 = TP1xPP1xDP2" in log, describe(run_dir)
+    match = re.search(r"resumed from \S+ at step (\d+): resharded from TP1xPP1xDP4 to TP1xPP1xDP2", log)
+    assert match, describe(run_dir)
+    resumed, struck = int(match.group(1)), times["elastic"]["struck_after_step"]
+    assert SAVE_EVERY <= resumed <= struck + 1, (resumed, struck)
+    reference = {r["step"]: (r["loss"], r["grad_norm"]) for r in _records(ref_dir)}
+    got = _by_step(_records(run_dir))
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1)), (sorted(got), sorted(reference))
+    for step, seen in sorted(got.items()):
+        if step <= resumed:  # before the crash, at DP4: the same run
+            assert seen == [reference[step]], f"elastic step {step}: {seen} != {reference[step]}"
+        else:  # run again (or first) at DP2 after the re-formation
+            assert seen[-1] == pytest.approx(reference[step], **RESHARD_TOL), f"elastic step {step}: {seen}"
+    print(f"\nelastic: struck after step {struck}, survivor's torchrun saw it +{times['elastic']['detected']:.1f} s, "
+          f"training again at DP2 +{times['elastic']['training_again']:.1f} s, resumed from step {resumed}")
