@@ -326,12 +326,14 @@ def _stop(layout: Layout) -> list[str]:
     stopped = []
     daemons = [(f"slurmd-{node_name(i)}", _slurmd_pid_file(layout, i)) for i in layout.node_indices()]
     daemons += [("slurmctld", paths.pid_file("slurmctld"))]
+    alive = []
     for name, pid_file in daemons:
         pid = _read_pid(pid_file)
         if pid is not None and _alive(pid):
-            _terminate(pid)
+            alive.append(pid)
             stopped.append(f"{name} ({pid})")
         pid_file.unlink(missing_ok=True)
+    _terminate(*alive)  # all at once: one by one, 14 slurmds took 27 s
     for index in range(layout.nodes + 1):
         left = namespace_pids(layout, index)
         if left:
@@ -347,13 +349,13 @@ def _stop(layout: Layout) -> list[str]:
     return stopped
 
 
-def _terminate(pid: int, grace: float = 15.0) -> None:
-    os.kill(pid, signal.SIGTERM)
+def _terminate(*pids: int, grace: float = 15.0) -> None:
+    """SIGTERM every pid, wait up to `grace` seconds for them all, SIGKILL those left."""
+    _kill_all(list(pids), signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while _alive(pid) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    _kill_all([pid for pid in pids if _alive(pid)], signal.SIGKILL)
 
 
 def stop(root: Path) -> list[str]:
