@@ -20,6 +20,8 @@ start-up when upstream has changed the patched object:
   staging, no clones for sync saves); the write-results Manager started up front; safe
   loading (no code runs from a checkpoint); shards hashed as they are written.
 - `fsdp`: Megatron-FSDP (ZeRO-2/3, HSDP) on CPU, and the 0.16.1 bugs its layouts avoid.
+- `datasets`: the GPT dataset's cached loss mask, which kept the pad positions of the first
+  sample a process served (so the loss depended on the DP layout with mock data).
 
 Not here, because it is per model rather than per process: `models/rope.py` completes
 Megatron-Core's Llama-3.1 RoPE scaling (GPTModel passes only the factor) with the model's
@@ -57,12 +59,13 @@ def apply(*, cpu: bool | None = None) -> None:
     CUDA is absent. Call before building models or optimizers."""
     import torch
 
-    from pretrain.megatron_fixes import dist_checkpointing, no_te, optimizer
+    from pretrain.megatron_fixes import datasets, dist_checkpointing, no_te, optimizer
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     quiet_cpu_fallback_warnings()
-    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply)]
+    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply),
+             ("datasets", datasets.apply)]
     if cpu:
         from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 
