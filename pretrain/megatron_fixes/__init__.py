@@ -23,6 +23,8 @@ start-up when upstream has changed the patched object:
 - `import_cost`: the torch.compile wrappers megatron.core builds as it is imported (2.8 CPU-s
   per process) deferred to each function's first call; installed when `pretrain` is imported
   (it must precede megatron.core's import), its guard checked here.
+- `datasets`: the GPT dataset's cached loss mask, which kept the pad positions of the first
+  sample a process served (so the loss depended on the DP layout with mock data).
 
 Not here, because it is per model rather than per process: `models/rope.py` completes
 Megatron-Core's Llama-3.1 RoPE scaling (GPTModel passes only the factor) with the model's
@@ -60,13 +62,13 @@ def apply(*, cpu: bool | None = None) -> None:
     CUDA is absent. Call before building models or optimizers."""
     import torch
 
-    from pretrain.megatron_fixes import dist_checkpointing, import_cost, no_te, optimizer
+    from pretrain.megatron_fixes import datasets, dist_checkpointing, import_cost, no_te, optimizer
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     quiet_cpu_fallback_warnings()
     fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply),
-             ("import_cost", import_cost.apply)]
+             ("import_cost", import_cost.apply), ("datasets", datasets.apply)]
     if cpu:
         from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.megatron_fixes import _guard, cpu, dist_checkpointing, fsdp, import_cost, no_te, optimizer
+from pretrain.megatron_fixes import _guard, cpu, datasets, dist_checkpointing, fsdp, import_cost, no_te, optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "models", "data_pipeline", "launch", "checkpoints_tools")
@@ -24,7 +24,7 @@ def test_every_pin_matches_the_installed_megatron_core():
     result = subprocess.run([sys.executable, "-m", "pretrain.megatron_fixes", "--digests"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0 and "CHANGED" not in result.stdout, result.stdout + result.stderr
-    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, fsdp, optimizer, dist_checkpointing, import_cost))
+    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets))
     assert result.stdout.count("\nok ") == pinned >= 10
 
 
@@ -91,3 +91,29 @@ def test_importing_megatron_core_after_pretrain_builds_no_compile_wrapper():
             "assert 'jit' in inspect.getsource(megatron.core.jit)\n")
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_gpt_dataset_loss_mask_does_not_depend_on_the_sample_served_first(tmp_path):
+    """megatron_fixes.datasets: Megatron-Core 0.16.1's GPTDataset kept the pad positions of the
+    first sample it served in the cached loss mask of every later one. Mock documents count
+    through every id, the byte tokenizer's pad (258) included, so some samples have pad labels."""
+    import torch
+
+    from data_pipeline.datasets import build_gpt_datasets
+    from data_pipeline.tokenizers import load_tokenizer
+
+    datasets.apply()  # idempotent; what pretrain.runtime applies at start-up
+
+    def fresh():
+        return build_gpt_datasets(blend=None, split="1,0,0", seq_length=64, seed=1234, num_samples=(16, 0, 0),
+                                  tokenizer=load_tokenizer("byte"), cache_dir=str(tmp_path), mock=True)[0]
+
+    masks = [fresh()[i]["loss_mask"] for i in range(16)]  # each served first by its own dataset
+    # With the document switches off, a sample's loss mask is 0 exactly at its pad labels.
+    padded = [i for i, m in enumerate(masks) if not m.all()]
+    clean = [i for i, m in enumerate(masks) if m.all()]
+    assert padded and clean, f"samples with pad labels {padded}, without {clean}: the test needs both"
+    dataset = fresh()
+    dataset[padded[0]]
+    for i in clean + padded[1:]:
+        assert torch.equal(dataset[i]["loss_mask"], masks[i]), f"sample {i} after sample {padded[0]}"

@@ -29,6 +29,7 @@ def train(recipe: str, overrides: list[str], report_norms: bool = False,
         result = {
             "log_rank": run.log_rank,
             "losses": [m.loss for m in history],
+            "grad_norms": [m.grad_norm for m in history],
             "moe_aux_losses": [m.moe_aux_loss for m in history],
             "moe_z_losses": [m.moe_z_loss for m in history],
             "params": params,
@@ -102,6 +103,11 @@ def load_and_save(recipe: str, overrides: list[str], out_dir: str) -> dict:
 def logged_losses(results: list[dict]) -> list[float]:
     """The losses reported by the logging rank (every rank computes the same global value)."""
     return next(r["losses"] for r in results if r["log_rank"])
+
+
+def logged_grad_norms(results: list[dict]) -> list[float]:
+    """The grad norms reported by the logging rank (global, after the model-parallel reduction)."""
+    return next(r["grad_norms"] for r in results if r["log_rank"])
 
 
 def optimizer_state_vs_megatron(recipe: str, overrides: list[str]) -> dict:
