@@ -47,11 +47,16 @@ class ChunkResult:
     seq: int
     source: int
     disk_bytes: int
+    first_record: int | None = None  # the chunk's (None: after the previous chunk of its input)
+    records: int = 0  # records (lines or rows) the chunk holds, good and bad
     tokens: np.ndarray | None = None
     lengths: np.ndarray | None = None
     text_bytes: int = 0
-    # (record number, kind, detail) of every bad record (all of them only when skipping).
+    # (index of the record in the chunk, kind, detail) of every bad record (all of them only
+    # when skipping); the main process, which knows where the chunk starts, numbers them.
     bad: list[tuple[int, str, str]] = field(default_factory=list)
+    # (first, last index, detail): the records a tokenizer failure is pinned to.
+    failed: tuple[int, int, str] | None = None
     fatal: str | None = None  # an unexpected exception in the worker, with traceback
 
 
@@ -65,15 +70,15 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
     """Documents of one chunk as one token array plus per-document lengths. `tokenizer`
     is a data_pipeline.tokenizers Tokenizer or a fast_encoders.GigatokenEncoder: one
     `encode_documents` call per chunk, which writes the ids straight into the output dtype."""
-    result = ChunkResult(chunk.seq, chunk.source, chunk.disk_bytes)
+    result = ChunkResult(chunk.seq, chunk.source, chunk.disk_bytes, chunk.first_record)
     if isinstance(chunk.payload, FileRange):  # read here, not piped from the main process
         try:
             chunk = replace(chunk, payload=chunk.payload.read())
         except InputError as err:
             result.fatal = str(err)  # the main process names the file
             return result
-    texts, numbers, text_bytes = [], [], 0
-    for number, text in iter_records(chunk, config.text_field):
+    texts, indices, text_bytes, index = [], [], 0, -1
+    for index, text in iter_records(chunk, config.text_field):
         try:
             if isinstance(text, BadRecord):
                 raise text
@@ -82,17 +87,18 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
                 raise BadRecord("document too long", too_long(size, config.max_document_bytes))
             text_bytes += size
         except BadRecord as bad:
-            result.bad.append((number, bad.kind, bad.detail))
+            result.bad.append((index, bad.kind, bad.detail))
             if not config.skip_bad_records:
                 break  # the run stops at this record; the rest of the chunk is never written
             continue
         texts.append(text)
-        numbers.append(number)
+        indices.append(index)
+    result.records = index + 1
     try:
         # Straight into the output dtype, EOD included: one copy of the ids.
         tokens, lengths = tokenizer.encode_documents(texts, np.dtype(config.dtype), config.append_eod)
     except Exception:  # a tokenizer bug or limit: find and name the record that hit it
-        result.fatal = _failing_record(chunk, tokenizer, texts, numbers)
+        result.failed = _failing_record(tokenizer, texts, indices)
         return result
     result.tokens = tokens
     result.lengths = lengths.astype(np.int32)
@@ -100,14 +106,13 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig) -> ChunkResult
     return result
 
 
-def _failing_record(chunk: Chunk, tokenizer, texts: list[str], numbers: list[int]) -> str:
-    where = "row" if chunk.kind == "parquet" else "line"
-    for number, text in zip(numbers, texts, strict=True):
+def _failing_record(tokenizer, texts: list[str], indices: list[int]) -> tuple[int, int, str]:
+    for index, text in zip(indices, texts, strict=True):
         try:
             tokenizer.encode_documents([text])
         except Exception as err:
-            return f"{where} {number}: the tokenizer failed: {type(err).__name__}: {err}"
-    return f"{where}s {numbers[0]}-{numbers[-1]}: the tokenizer failed on the chunk, not on one record"
+            return index, index, f"the tokenizer failed: {type(err).__name__}: {err}"
+    return indices[0], indices[-1], "the tokenizer failed on the chunk, not on one record"
 
 
 def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int) -> None:
