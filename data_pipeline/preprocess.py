@@ -210,7 +210,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
                               skip_bad_records, max_document_bytes)
         n_workers = _available_cpus() if workers is None else workers
-        pool = (WorkerPool(config, encoding, n_workers) if n_workers > 0
+        pool = (WorkerPool(config, encoding, n_workers, chunk_bytes=chunk_bytes) if n_workers > 0
                 else InlinePool(config, encoding))
         try:
             with byte_progress(console, progress) as bar:
