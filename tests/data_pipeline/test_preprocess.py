@@ -182,3 +182,30 @@ def test_plain_jsonl_ranges_hold_whole_lines_and_notice_a_changed_file(tmp_path,
     plain.write_bytes(raw.replace(b"\n", b" ", 3))  # same size, lines moved
     result = tokenize_chunk(first, None, WorkerConfig("text", "uint16", None, False))
     assert result.fatal.startswith("changed while it was being read (bytes 0 to ")
+
+
+def test_forked_workers_return_ids_through_shared_slots_or_the_queue(tmp_path, texts, demo_tokenizer):
+    """Forked workers write a chunk's ids into its shared-memory slot (workers.TokenSlots);
+    ids that do not fit (a 40,000-character document in 8 KiB chunks) come through the
+    result queue. Either way they are the ids an inline run computes."""
+    from data_pipeline.sources import iter_chunks, resolve_inputs
+    from data_pipeline.workers import WorkerConfig, WorkerPool, tokenize_chunk
+
+    path = write_jsonl(tmp_path / "a.jsonl", texts[:30] + ["x" * 40_000] + texts[30:40])
+    chunks = list(iter_chunks(resolve_inputs([path]), 8192, "text"))
+    config = WorkerConfig("text", "uint16", demo_tokenizer.eod, False)
+    pool = WorkerPool(config, demo_tokenizer, 2, max_inflight=len(chunks), start_method="fork",
+                      chunk_bytes=8192)
+    try:
+        for chunk in chunks:
+            pool.submit(chunk)
+        results = sorted((pool.get() for _ in chunks), key=lambda r: r.seq)
+    finally:
+        pool.close()
+    assert [r.seq for r in results] == list(range(len(chunks)))
+    for result, chunk in zip(results, chunks, strict=True):
+        inline = tokenize_chunk(chunk, demo_tokenizer, config)
+        assert result.tokens.dtype == np.uint16 and np.array_equal(result.tokens, inline.tokens)
+        assert np.array_equal(result.lengths, inline.lengths)
+    through_slots = [r.slot_tokens is not None for r in results]
+    assert through_slots.count(False) == 1 and len(through_slots) > 3
