@@ -25,7 +25,8 @@ It reports MB/s (10^6 bytes of UTF-8 text) and tokens/s, medians over --repeats,
 text per CPU-second over all processes of a run, which other jobs on the machine skew
 least. Preprocess runs are timed inside preprocess (from argument checks to the committed
 output: tokenizer load, encoder probe, worker start-up included; not the CLI's imports,
-whose CPU is reported apart with the main and worker CPU of each preprocess run).
+whose CPU is reported apart with the main and worker CPU of each preprocess run). The probe's
+reference ids come from fast_encoders' cache after a tokenizer's first run, as for users.
 Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.2 s) in one
 extra -j2 run per encoder on the corpus repeated --rss-scale times (0: skip).
 """

@@ -20,13 +20,16 @@ tokens are removed from the tokenizer.json gigatoken loads; Hugging Face's encod
 matches added tokens in the text, and gigatoken does the same with them kept.
 Whatever the route, `choose_encoder` compares ids on tricky built-in strings and a
 sample of the input before using it; `auto` falls back to the reference on any
-difference, and an explicit `gigatoken` is then an error.
+difference, and an explicit `gigatoken` is then an error. The reference's ids of the
+built-in strings are cached by all they depend on (`probe_reference_ids`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -166,12 +169,12 @@ class GigatokenEncoder:
             return self._tok.encode(text)
         return np.concatenate([self._tok.encode(piece) for piece in pieces])
 
-    def encode_documents(self, texts: list[str], dtype=np.int64,
-                         eod: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def encode_documents(self, texts: list[str], dtype=np.int64, eod: int | None = None,
+                         into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """As Tokenizer.encode_documents. One call into Rust per document: as fast as
         encode_batch(parallel=False) here, and no awkward array (its import alone cost
         0.13 CPU-s per process, more than encoding 30 MB of Llama-3 text)."""
-        return join_documents([self.encode_array(text) for text in texts], dtype, eod)
+        return join_documents([self.encode_array(text) for text in texts], dtype, eod, into)
 
     # Spawned workers rebuild it from the converted tokenizer.json (no second conversion).
     def __getstate__(self) -> dict:
@@ -181,15 +184,63 @@ class GigatokenEncoder:
         self.__init__(state["reference"], state["json"])
 
 
-def first_difference(reference: Tokenizer, encoder, texts) -> int | None:
-    """Index of the first text whose ids differ between the two encoders, or None."""
+def first_difference(reference: Tokenizer, encoder, texts, wanted: list | None = None) -> int | None:
+    """Index of the first text whose ids differ between the two encoders, or None.
+    `wanted`: the reference's ids of the first len(wanted) texts, where known."""
+    wanted = wanted or []
     tokens, lengths = encoder.encode_documents(list(texts))
     ends = np.cumsum(lengths)
     for index, text in enumerate(texts):
         ours = tokens[ends[index] - lengths[index]:ends[index]]
-        if not np.array_equal(ours, reference.encode_array(text)):
+        want = wanted[index] if index < len(wanted) else reference.encode_array(text)
+        if not np.array_equal(ours, want):
             return index
     return None
+
+
+# The library that computes each reference's ids: its version is part of what they depend on.
+_REFERENCE_LIBRARIES = {"sentencepiece": "sentencepiece", "tiktoken": "tiktoken",
+                        "huggingface": "tokenizers"}
+
+
+def probe_reference_ids(tok: Tokenizer) -> list[np.ndarray]:
+    """The reference's ids for PROBE_TEXTS, kept under CACHE_DIR: computing them is most of
+    choose_encoder's cost (0.1 CPU-s with Llama-3's tiktoken, 0.3 with Mistral's
+    SentencePiece, the 450,000-character string most of it), reading them ~1 ms. The
+    entry's name hashes all they depend on: the tokenizer's content (unique_identifiers),
+    the library computing them and its version, the probe strings, and data_pipeline/
+    tokenizers.py (size and mtime: the reference's own code, e.g. tiktoken's cutting). An
+    entry that does not read back whole is recomputed; gigatoken is still run on every
+    probe string each time."""
+    library = _REFERENCE_LIBRARIES.get(tok.kind)
+    module = sys.modules.get(library) if library else None
+    if module is None:
+        return [tok.encode_array(text) for text in PROBE_TEXTS]
+    from data_pipeline import tokenizers
+
+    code = os.stat(tokenizers.__file__)
+    key = hashlib.sha256(json.dumps([dict(tok.unique_identifiers), library, getattr(module, "__version__", "?"),
+                                     code.st_size, code.st_mtime_ns], sort_keys=True).encode())
+    for text in PROBE_TEXTS:
+        key.update(text.encode("utf-8", "surrogatepass") + b"\0")
+    path = os.path.join(CACHE_DIR, f"probe-ids-{tok.kind}-{key.hexdigest()[:32]}.npy")
+    count = len(PROBE_TEXTS)
+    try:
+        flat = np.load(path, allow_pickle=False)  # the counts, then the ids end to end
+        ends = count + np.cumsum(flat[:count])
+        if flat.ndim == 1 and len(flat) > count and ends[-1] == len(flat):
+            return np.split(flat[count:], ends[:-1] - count)
+    except (OSError, ValueError, EOFError):  # missing, or not whole
+        pass
+    ids = [tok.encode_array(text) for text in PROBE_TEXTS]
+    try:
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        partial = f"{path}.{os.getpid()}.partial.npy"
+        np.save(partial, np.concatenate([[len(a) for a in ids], *ids]).astype(np.int64), allow_pickle=False)
+        os.replace(partial, path)  # atomic: readers see all or nothing
+    except OSError:
+        pass  # a read-only home costs the computation on every run, nothing else
+    return ids
 
 
 def choose_encoder(tok: Tokenizer, choice: str, sample: list[str]):
@@ -203,7 +254,7 @@ def choose_encoder(tok: Tokenizer, choice: str, sample: list[str]):
     try:
         fast = GigatokenEncoder(tok)
         texts = list(PROBE_TEXTS) + list(sample)
-        bad = first_difference(tok, fast, texts)
+        bad = first_difference(tok, fast, texts, probe_reference_ids(tok))
     except EncoderUnavailable as err:
         if choice == "gigatoken":
             raise EncoderUnavailable(f"--encoder gigatoken: {err}; use --encoder reference "

@@ -210,7 +210,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
                               skip_bad_records, max_document_bytes)
         n_workers = _available_cpus() if workers is None else workers
-        pool = (WorkerPool(config, encoding, n_workers) if n_workers > 0
+        pool = (WorkerPool(config, encoding, n_workers, chunk_bytes=chunk_bytes) if n_workers > 0
                 else InlinePool(config, encoding))
         try:
             with byte_progress(console, progress) as bar:
@@ -259,6 +259,9 @@ def _stream_and_commit(job: _Job, request: dict, tokenizer_spec: str, dtype, poo
 
     with AtomicIndexedDataset(job.prefix, dtype) as out:
         pending, next_seq, submitted = {}, 0, 0
+        # The number of the record after the last one written, per input: where a chunk
+        # whose start the main process did not count (a plain .jsonl range) starts.
+        next_record: dict[int, int] = {}
         if job.segments is None:
             chunks = iter_chunks(job.sources, chunk_bytes, request["text_field"])
         else:
@@ -279,7 +282,11 @@ def _stream_and_commit(job: _Job, request: dict, tokenizer_spec: str, dtype, poo
             result = pool.get()
             pending[result.seq] = result
             while next_seq in pending:  # write in input order, whatever order workers finish
-                _absorb(pending.pop(next_seq), job, request, out, stats)
+                result = pending.pop(next_seq)
+                first = (next_record.get(result.source, 1) if result.first_record is None
+                         else result.first_record)
+                next_record[result.source] = first + result.records
+                _absorb(result, first, job, request, out, stats)
                 next_seq += 1
                 _advance(bar, task, stats, earlier)
         # A share of a preprocess_slurm run may hold only skipped records; the merge checks the total.
@@ -293,14 +300,19 @@ def _stream_and_commit(job: _Job, request: dict, tokenizer_spec: str, dtype, poo
     return stats
 
 
-def _absorb(result, job: _Job, request: dict, out, stats: OutputStats) -> None:
-    """Check one chunk's result (stop or count bad records) and append its documents."""
+def _absorb(result, first: int, job: _Job, request: dict, out, stats: OutputStats) -> None:
+    """Check one chunk's result (stop or count bad records) and append its documents;
+    `first`: the number of the chunk's first record in its input."""
     source = job.sources[result.source]
     where = "row" if source.kind == "parquet" else "line"
     if result.fatal:
         raise PreprocessError(f"{source.path}: {result.fatal}")
-    for number, kind, detail in result.bad:
-        message = f"{source.path} {where} {number}: {detail}"
+    if result.failed:
+        lo, hi, detail = result.failed
+        span = f"{where} {first + lo}" if lo == hi else f"{where}s {first + lo}-{first + hi}"
+        raise PreprocessError(f"{source.path}: {span}: {detail}")
+    for index, kind, detail in result.bad:
+        message = f"{source.path} {where} {first + index}: {detail}"
         if not request["skip_bad_records"]:
             raise PreprocessError(f"{message}\n(fix the input, or pass --skip-bad-records to "
                                   "skip and count such records)")

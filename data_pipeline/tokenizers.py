@@ -97,12 +97,12 @@ class Tokenizer(ABC):
         """`encode` as a NumPy integer array; overridden where the library returns arrays."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
-    def encode_documents(self, texts: list[str], dtype=np.int64,
-                         eod: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def encode_documents(self, texts: list[str], dtype=np.int64, eod: int | None = None,
+                         into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Every text's ids end to end as `dtype`, each followed by `eod` unless None, and
         each text's count (with its eod): the preprocess workers' call, one per chunk
-        (fast_encoders.GigatokenEncoder has the same)."""
-        return join_documents([self.encode_array(text) for text in texts], dtype, eod)
+        (fast_encoders.GigatokenEncoder has the same). `into`: see join_documents."""
+        return join_documents([self.encode_array(text) for text in texts], dtype, eod, into)
 
     def pieces(self, text: str) -> list[str]:
         """The parts the reference encodes one by one (their ids end to end are the text's)."""
@@ -337,10 +337,13 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.decode([int(i) for i in ids])
 
 
-def join_documents(arrays: list[np.ndarray], dtype, eod: int | None) -> tuple[np.ndarray, np.ndarray]:
+def join_documents(arrays: list[np.ndarray], dtype, eod: int | None,
+                   into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`arrays` end to end as `dtype`, `eod` after each unless None, and their lengths (eod
     included): one copy, casting as it goes (ids < vocab size fit the output dtype: see
-    indexed_writer.token_dtype), instead of a concatenate, an astype and an insert."""
+    indexed_writer.token_dtype), instead of a concatenate, an astype and an insert.
+    `into` (an array of `dtype`): written at its start, and a view of it returned, where the
+    ids fit (preprocess's workers pass shared memory: workers.TokenSlots)."""
     lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
     if eod is not None:
         end = np.array([eod], dtype=dtype)
@@ -348,6 +351,9 @@ def join_documents(arrays: list[np.ndarray], dtype, eod: int | None) -> tuple[np
         lengths += 1
     if not arrays:
         return np.empty(0, dtype), lengths
+    total = int(lengths.sum())
+    if into is not None and into.dtype == np.dtype(dtype) and total <= len(into):
+        return np.concatenate(arrays, out=into[:total], casting="unsafe"), lengths
     return np.concatenate(arrays, dtype=dtype, casting="unsafe"), lengths
 
 

@@ -203,6 +203,34 @@ def test_tokenizer_failure_names_the_record(tmp_path, monkeypatch):
     assert output_files(tmp_path) == ["input.jsonl"]
 
 
+def test_lines_are_named_across_byte_range_chunks(tmp_path, monkeypatch):
+    """A plain .jsonl's chunks are byte ranges whose lines the workers count, not the main
+    process: bad records deep in the file, in chunks of a few lines over two workers, and a
+    tokenizer failure are still named by their line in the file."""
+    from data_pipeline import workers
+    from data_pipeline.tokenizers import ByteTokenizer
+
+    bad_at = [7, 58, 101, 200]
+    lines = [BAD_LINES["malformed json"][0] if n in bad_at else GOOD.encode() for n in range(1, 201)]
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(b"\n".join(lines))  # the last line (bad) unterminated
+    run = dict(tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=2, chunk_bytes=300)
+    summary = preprocess([str(path)], skip_bad_records=True, **run)
+    assert [e.split(": ")[0] for e in summary.outputs[0].examples] == [f"{path} line {n}" for n in bad_at]
+    assert summary.total("documents") == 200 - len(bad_at)
+    with pytest.raises(PreprocessError, match=f"{path} line 7: malformed JSON"):
+        preprocess([str(path)], overwrite=True, **run)
+
+    real = ByteTokenizer.encode_array
+    monkeypatch.setattr(ByteTokenizer, "encode_array",  # inherited by forked workers
+                        lambda self, text: real(self, text) if "boom" not in text else 1 / 0)
+    monkeypatch.setattr(workers, "default_start_method", lambda: "fork")
+    lines[150 - 1] = json.dumps({"text": "boom"}).encode()
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(PreprocessError, match=r"long.jsonl: line 150: the tokenizer failed: ZeroDivisionError"):
+        preprocess([str(path)], skip_bad_records=True, overwrite=True, **run)
+
+
 @pytest.mark.parametrize("line", [
     b'{"text": "plain", "meta": {"n": 1.5e300, "tags": [true, null]}}',
     '{"text": "caf\u00e9 \u2603 \U0001F600 tab\\t quote\\" slash\\/ \\u00e9"}'.encode(),

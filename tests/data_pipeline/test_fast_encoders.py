@@ -13,6 +13,7 @@ import pytest
 
 from data_pipeline.fast_encoders import (
     PROBE_TEXTS, EncoderUnavailable, GigatokenEncoder, choose_encoder, first_difference,
+    probe_reference_ids,
 )
 from data_pipeline.preprocess import main, preprocess
 from data_pipeline.tokenizers import load_tokenizer
@@ -182,3 +183,28 @@ def test_spawned_workers_get_the_same_encoder(mistral_model, jargon_docs):
     copy = pickle.loads(pickle.dumps(GigatokenEncoder(tok)))
     assert isinstance(copy, GigatokenEncoder) and copy.reference.spec == tok.spec
     assert_same_ids(tok, copy, jargon_docs[:100])
+
+
+def test_probe_reference_ids_are_cached_by_tokenizer_and_a_bad_entry_is_recomputed(
+        mistral_model, tmp_path, monkeypatch):
+    from data_pipeline import fast_encoders
+    from data_pipeline.tokenizers import SentencePieceTokenizer
+
+    monkeypatch.setattr(fast_encoders, "CACHE_DIR", str(tmp_path))
+    tok = load_tokenizer(mistral_model)
+    want = [tok.encode_array(text).tolist() for text in PROBE_TEXTS]
+    assert [ids.tolist() for ids in probe_reference_ids(tok)] == want
+    [entry] = tmp_path.glob("probe-ids-sentencepiece-*.npy")
+    real = SentencePieceTokenizer.encode_array
+
+    def refuse(self, text):
+        raise AssertionError("encoded although cached")
+
+    monkeypatch.setattr(SentencePieceTokenizer, "encode_array", refuse)
+    assert [ids.tolist() for ids in probe_reference_ids(tok)] == want  # read back, not encoded
+    with pytest.raises(AssertionError, match="although cached"):  # another model: its own entry
+        probe_reference_ids(load_tokenizer("data_pipeline/assets/demo_sp.model"))
+    monkeypatch.setattr(SentencePieceTokenizer, "encode_array", real)
+    entry.write_bytes(entry.read_bytes()[:1000])  # cut short: recomputed and rewritten
+    assert [ids.tolist() for ids in probe_reference_ids(tok)] == want
+    assert entry.stat().st_size > 1000 and len(list(tmp_path.glob("probe-ids-*.npy"))) == 1

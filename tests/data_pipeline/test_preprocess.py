@@ -149,28 +149,63 @@ def test_spawned_workers_write_the_same_bytes_as_forked_ones(tmp_path, corpus, m
     assert same_bytes(str(tmp_path / "forked"), str(tmp_path / "spawned"))
 
 
-def test_plain_jsonl_ranges_cut_like_gzip_chunks_and_notice_a_changed_file(tmp_path, texts):
-    """A plain .jsonl's chunks are byte ranges the workers read (sources.FileRange): the same
-    boundaries, line numbers and bytes as the .gz reader's, with lines longer than a chunk
-    and an unterminated last line; a file changed under a range is named, not misread."""
-    from data_pipeline.sources import FileRange, iter_chunks, resolve_inputs
+def test_plain_jsonl_ranges_hold_whole_lines_and_notice_a_changed_file(tmp_path, texts):
+    """A plain .jsonl's chunks are byte ranges the workers read (sources.FileRange), cut by
+    seeking: end to end they are the file, each ends at the first newline from its
+    chunk_bytes-th byte (lines longer than a chunk, an unterminated last line), and they hold
+    the records the .gz reader reads, in order; a file changed under a range is named."""
+    from data_pipeline.sources import FileRange, iter_chunks, iter_records, resolve_inputs
     from data_pipeline.workers import WorkerConfig, tokenize_chunk
 
     lines = [json.dumps({"text": t}) for t in texts[:40] + ["x" * 5000] + texts[40:60]]
     raw = ("\n".join(lines)).encode()  # no trailing newline
     plain, gz = tmp_path / "a.jsonl", tmp_path / "a.jsonl.gz"
-    plain.write_bytes(raw)
     gz.write_bytes(gzip.compress(raw))
-    for size in (100, 4096, 1 << 20):
-        ranges = list(iter_chunks(resolve_inputs([str(plain)]), size, "text"))
-        chunks = list(iter_chunks(resolve_inputs([str(gz)]), size, "text"))
-        assert len(ranges) == len(chunks)
-        for r, c in zip(ranges, chunks, strict=True):
-            assert isinstance(r.payload, FileRange)
-            assert (r.first_record, r.payload.read()) == (c.first_record, c.payload)
-        assert sum(r.disk_bytes for r in ranges) == len(raw)
-        if size == 100:
-            first = ranges[0]  # ends with a newline
+    gz_records = [text for c in iter_chunks(resolve_inputs([str(gz)]), 4096, "text")
+                  for _, text in iter_records(c, "text")]
+    assert len(gz_records) == len(lines)
+    for ending in (b"", b"\n"):
+        plain.write_bytes(raw + ending)
+        for size in (1, 100, 4096, 1 << 20):
+            ranges = list(iter_chunks(resolve_inputs([str(plain)]), size, "text"))
+            assert all(isinstance(r.payload, FileRange) and r.first_record is None for r in ranges)
+            data = [r.payload.read() for r in ranges]
+            assert b"".join(data) == raw + ending
+            assert [r.disk_bytes for r in ranges] == [len(d) for d in data]
+            for d in data[:-1]:
+                assert d.endswith(b"\n") and b"\n" not in d[size - 1:-1] and len(d) >= size
+            assert ranges[-1].payload.ends_line == (ending == b"\n")
+            if size == 1:
+                assert len(ranges) == len(lines)  # one line each
+            assert [text for r in ranges for _, text in iter_records(r, "text")] == gz_records
+    first = list(iter_chunks(resolve_inputs([str(plain)]), 100, "text"))[0]  # ends with a newline
     plain.write_bytes(raw.replace(b"\n", b" ", 3))  # same size, lines moved
     result = tokenize_chunk(first, None, WorkerConfig("text", "uint16", None, False))
     assert result.fatal.startswith("changed while it was being read (bytes 0 to ")
+
+
+def test_forked_workers_return_ids_through_shared_slots_or_the_queue(tmp_path, texts, demo_tokenizer):
+    """Forked workers write a chunk's ids into its shared-memory slot (workers.TokenSlots);
+    ids that do not fit (a 40,000-character document in 8 KiB chunks) come through the
+    result queue. Either way they are the ids an inline run computes."""
+    from data_pipeline.sources import iter_chunks, resolve_inputs
+    from data_pipeline.workers import WorkerConfig, WorkerPool, tokenize_chunk
+
+    path = write_jsonl(tmp_path / "a.jsonl", texts[:30] + ["x" * 40_000] + texts[30:40])
+    chunks = list(iter_chunks(resolve_inputs([path]), 8192, "text"))
+    config = WorkerConfig("text", "uint16", demo_tokenizer.eod, False)
+    pool = WorkerPool(config, demo_tokenizer, 2, max_inflight=len(chunks), start_method="fork",
+                      chunk_bytes=8192)
+    try:
+        for chunk in chunks:
+            pool.submit(chunk)
+        results = sorted((pool.get() for _ in chunks), key=lambda r: r.seq)
+    finally:
+        pool.close()
+    assert [r.seq for r in results] == list(range(len(chunks)))
+    for result, chunk in zip(results, chunks, strict=True):
+        inline = tokenize_chunk(chunk, demo_tokenizer, config)
+        assert result.tokens.dtype == np.uint16 and np.array_equal(result.tokens, inline.tokens)
+        assert np.array_equal(result.lengths, inline.lengths)
+    through_slots = [r.slot_tokens is not None for r in results]
+    assert through_slots.count(False) == 1 and len(through_slots) > 3
