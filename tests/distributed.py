@@ -51,8 +51,9 @@ if dist is not None and dist.is_initialized():
 """
 
 
-# Imported once in the forkserver; a rank imports anything else itself.
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "pretrain.loop", "pretrain.runtime",
+# Imported once in the forkserver; a rank imports anything else itself. `pretrain` before
+# megatron.core, as in a real rank: megatron_fixes.import_cost must see megatron.core's import.
+PRELOAD = ["torch", "torch.distributed", "pretrain", "megatron.core", "pretrain.loop", "pretrain.runtime",
            "tests.pretrain.workers", "tests.checkpoints_tools.workers"]
 # The environment read when an interpreter starts (or torch loads): the forkserver's.
 _STARTUP_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

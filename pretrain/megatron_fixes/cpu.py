@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from pretrain.megatron_fixes import import_cost
 from pretrain.megatron_fixes._guard import expect_signature, expect_sources
 
 # The Megatron-Core functions replaced here, by the digest of the source they replace.
@@ -242,3 +243,4 @@ def apply() -> None:
     _patch_uneven_collectives()
     _patch_pipeline_p2p()
     _CudaToCpuMode().__enter__()  # stays active for the process lifetime (main thread)
+    import_cost.run_eagerly()  # Megatron's @jit_fuser functions: no torch.compile on CPU (it says why)

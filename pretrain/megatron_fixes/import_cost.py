@@ -17,6 +17,13 @@ wrapper's construction moved. `torch.compile` is restored when megatron.core's i
 so nothing else in the process sees the stand-in (modules of megatron.core imported later
 still decorate through `jit_fuser`, which keeps the deferring function).
 
+On CPU (`megatron_fixes.cpu` calls `run_eagerly()`), a deferred function runs eagerly at its
+first call instead of being compiled: torch.compile's CPU backend traces it and compiles C++
+with the machine's compiler at the first call in every process (1.8 CPU-s for the MoE
+router's `_apply_expert_bias`, the one our CPU runs reach, a no-op without expert bias), and
+a laptop without a compiler would fail there; eager is the same function, unfused. On GPU
+they are compiled as upstream does.
+
 `install()` puts a finder on `sys.meta_path` that waits for `megatron.core` (it imports
 neither torch nor megatron); the `pretrain` package calls it when it is imported, before any
 of our modules imports megatron.core. The guard pins `enable_jit_fuser`, checked by
@@ -32,6 +39,13 @@ import importlib.util
 import sys
 
 SOURCES = {"megatron.core.jit:enable_jit_fuser": "0714694302faf5a4"}
+_EAGER = False  # run_eagerly(): deferred functions are called as they are, never compiled
+
+
+def run_eagerly() -> None:
+    """From now on a deferred function that is first called runs eagerly (CPU)."""
+    global _EAGER
+    _EAGER = True
 
 
 def compile_on_first_call(real_compile):
@@ -47,7 +61,7 @@ def compile_on_first_call(real_compile):
         def call(*args, **kwargs):
             nonlocal compiled
             if compiled is None:
-                compiled = real_compile(model, **options)
+                compiled = model if _EAGER else real_compile(model, **options)
             return compiled(*args, **kwargs)
 
         call.deferred_compile = True

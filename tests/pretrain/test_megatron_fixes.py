@@ -79,6 +79,14 @@ def test_compile_on_first_call_defers_torch_compile_with_its_options():
     assert tuned(5) == ("compiled", 5) and calls == [{}, {"mode": "max-autotune"}]
 
 
+def test_on_cpu_a_deferred_function_runs_eagerly(monkeypatch):
+    """megatron_fixes.cpu: Megatron's @jit_fuser functions are not compiled on CPU."""
+    calls = []
+    monkeypatch.setattr(import_cost, "_EAGER", True)
+    plus_one = import_cost.compile_on_first_call(lambda model, **options: calls.append(options))(lambda x: x + 1)
+    assert plus_one(1) == 2 and plus_one(2) == 3 and calls == []
+
+
 def test_importing_megatron_core_after_pretrain_builds_no_compile_wrapper():
     """The inductor backend is not imported, torch.compile is torch's own again afterwards,
     megatron.core's `jit_fuser` defers, and megatron.core's loader is its own (inspect works)."""
