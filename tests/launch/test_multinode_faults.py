@@ -1,8 +1,10 @@
 """Faults across nodes, each on a real multi-node Slurm cluster of network namespaces.
 
-One 12-node cluster serves the module; five 2-node jobs (2 ranks per node, DP4, a checkpoint
-every 2 steps) run at once, each hit by one fault after its step-2 checkpoint, while the
-uninterrupted one-node reference (launch.local, same layout) runs here:
+One 14-node cluster serves the module; six 2-node jobs (one rank per node, DP2, a checkpoint
+every 2 steps; the elastic one two per node, DP4) run at once, each hit by one fault after its
+step-2 checkpoint, while the uninterrupted one-node references (launch.local, DP2 and DP4) run
+here. One rank per node halves the ranks to start (the suite's time is mostly rank start-up);
+the faults are the nodes', and tests/launch/test_multinode.py covers two ranks per node:
   (a) crash: everything on the job's second node is SIGKILLed mid-run (a power loss) -> Slurm
       requeues the job, which resumes from the last complete checkpoint on other nodes; every
       step bitwise equal to the uninterrupted run;
@@ -54,6 +56,8 @@ EXTRA = {
     # The rendezvous store lives on the first node, which survives (the crash takes the second).
     "elastic": ["--launcher", "torchrun", "--elastic-min-nodes", "1"],
 }
+# Ranks per node: DP2 jobs; the elastic one shrinks from DP4 to DP2 when it loses a node.
+PER_NODE = {name: 2 if name == "elastic" else 1 for name in FAULTS}
 # DP4 -> DP2 sums in another order: fp32 reduction tolerance (as tests/launch/test_multinode.py).
 RESHARD_TOL = dict(rel=1e-5, abs=1e-6)
 
@@ -120,17 +124,19 @@ def faults(cluster, tmp_path_factory):
     try:
         for name in FAULTS:
             run_dir = base / name
-            jobs[name] = (submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "2", "--ntasks-per-node", "2",
+            jobs[name] = (submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "2",
+                                  "--ntasks-per-node", str(PER_NODE[name]),
                                   "--partition", "debug", "--time", "10", "--run-dir", str(run_dir), *COMMON,
                                   *EXTRA.get(name, []),
                                   f"data.cache_dir={_cache(base, demo, name)}"], env), run_dir)
     finally:
         subprocess.run([*partition, "State=UP"], env=env, check=True)
-    ref_dir = base / "reference"
-    ref = subprocess.Popen([sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", "4", *COMMON,
-                            f"logging.run_dir={ref_dir}", f"checkpoint.dir={ref_dir}/checkpoints",
-                            f"data.cache_dir={_cache(base, demo, 'reference')}"],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref_dirs = {dp: base / f"reference-dp{dp}" for dp in sorted({2 * n for n in PER_NODE.values()})}
+    refs = [subprocess.Popen([sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", str(dp),
+                              *COMMON, f"logging.run_dir={ref_dir}", f"checkpoint.dir={ref_dir}/checkpoints",
+                              f"data.cache_dir={_cache(base, demo, ref_dir.name)}"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for dp, ref_dir in ref_dirs.items()]
     times: dict[str, dict[str, float]] = {name: {} for name in FAULTS}
     pending = set(FAULTS)
     deadline = time.monotonic() + 420
@@ -154,7 +160,7 @@ def faults(cluster, tmp_path_factory):
             elif name == "usr1":
                 subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True)
             else:
-                os.kill(_rank_pid(run_dir, 3), signal.SIGKILL)
+                os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)  # the second node's
             times[name]["t0"] = time.monotonic()
             pending.discard(name)
         time.sleep(0.02)
@@ -162,10 +168,11 @@ def faults(cluster, tmp_path_factory):
     # The cut node comes back while the job trains elsewhere: its stray ranks (if any are
     # left) must not touch the run's checkpoints.
     ci_multinode.heal_network(layout, int(times["cut"]["node"].removeprefix("mn")))
-    out = ref.communicate(timeout=400)[0]
-    assert ref.returncode == 0, out[-3000:]
+    for ref in refs:
+        out = ref.communicate(timeout=400)[0]
+        assert ref.returncode == 0, out[-3000:]
     finished = {name: wait_for_job(job_id, env, run_dir, timeout=300) for name, (job_id, run_dir) in jobs.items()}
-    return jobs, finished, times, ref_dir
+    return jobs, finished, times, ref_dirs
 
 
 def _time_recovery(jobs: dict, times: dict, env: dict, timeout: float = 420) -> None:
@@ -208,7 +215,7 @@ def _by_step(records: list[dict]) -> dict[int, list[tuple[float, float]]]:
 def test_requeued_job_resumes_bitwise(faults, name):
     """(a) node crash, a node crash during a save, and (c) USR1: requeued once, resumed from a complete checkpoint, every
     step (the re-run ones too) bitwise equal to the uninterrupted one-node run."""
-    jobs, finished, times, ref_dir = faults
+    jobs, finished, times, ref_dirs = faults
     job_id, run_dir = jobs[name]
     info = finished[name]
     restarts = int(info["Restarts"])
@@ -219,7 +226,7 @@ def test_requeued_job_resumes_bitwise(faults, name):
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(("step_", "latest")))
     assert ckpts == ["latest"] + [f"step_{s:08d}" for s in range(STEPS - 2 * SAVE_EVERY, STEPS + 1, SAVE_EVERY)], ckpts
     assert all((run_dir / "checkpoints" / c / "COMPLETE").is_file() for c in ckpts[1:])
-    reference = {r["step"]: (r["loss"], r["grad_norm"]) for r in _records(ref_dir)}
+    reference = {r["step"]: (r["loss"], r["grad_norm"]) for r in _records(ref_dirs[2 * PER_NODE[name]])}
     got = _by_step(_records(run_dir))
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1)), (sorted(got), sorted(reference))
     for step, seen in sorted(got.items()):
@@ -249,7 +256,7 @@ def test_a_failed_rank_on_a_healthy_node_fails_the_job_once_naming_it(faults):
     info = finished["rank"]
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, describe(run_dir))
     script_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    assert re.search(r"srun: error: mn\d+: task 3: Killed", script_log), script_log[-2000:]
+    assert re.search(r"srun: error: mn\d+: task 1: Killed", script_log), script_log[-2000:]
     print(f"\nrank: killed after step {times['rank']['struck_after_step']}, job FAILED +{times['rank']['detected']:.1f} s")
 
 
@@ -258,7 +265,7 @@ def test_elastic_job_loses_a_node_and_keeps_training_on_the_other(faults):
     re-forms the group at DP2 and resumes resharded from the last complete checkpoint with the
     same global batch; steps run once before the crash bitwise, the re-run ones and those after
     at fp32 reduction tolerance of the uninterrupted DP4 run."""
-    jobs, finished, times, ref_dir = faults
+    jobs, finished, times, ref_dirs = faults
     job_id, run_dir = jobs["elastic"]
     info = finished["elastic"]
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), describe(run_dir)
@@ -273,7 +280,7 @@ def test_elastic_job_loses_a_node_and_keeps_training_on_the_other(faults):
     assert match, describe(run_dir)
     resumed, struck = int(match.group(1)), times["elastic"]["struck_after_step"]
     assert SAVE_EVERY <= resumed <= struck + 1, (resumed, struck)
-    reference = {r["step"]: (r["loss"], r["grad_norm"]) for r in _records(ref_dir)}
+    reference = {r["step"]: (r["loss"], r["grad_norm"]) for r in _records(ref_dirs[4])}
     got = _by_step(_records(run_dir))
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1)), (sorted(got), sorted(reference))
     for step, seen in sorted(got.items()):
