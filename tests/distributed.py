@@ -18,9 +18,11 @@ not run, so what a rank opens it closes itself (the trackers, the process group:
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,8 +55,10 @@ if dist is not None and dist.is_initialized():
 
 # Imported once in the forkserver; a rank imports anything else itself. `pretrain` before
 # megatron.core, as in a real rank: megatron_fixes.import_cost must see megatron.core's import.
+# torch._dynamo: torch.optim's step imports it (for a graph break) in every rank that trains,
+# 1.1 of a tiny 4-step TP2 rank's 3.0 CPU-s.
 PRELOAD = ["torch", "torch.distributed", "pretrain", "megatron.core", "pretrain.loop", "pretrain.runtime",
-           "tests.pretrain.workers", "tests.checkpoints_tools.workers"]
+           "torch._dynamo", "tests.pretrain.workers", "tests.checkpoints_tools.workers"]
 # The environment read when an interpreter starts (or torch loads): the forkserver's.
 _STARTUP_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 _forkserver = None
@@ -85,6 +89,105 @@ def _forked_rank(target: str, kwargs_file: str, out: str, log_path: str, env: di
     os.chdir(REPO)
     sys.argv = ["-c", target, kwargs_file, out]
     exec(compile(_BOOT, "<rank>", "exec"), {"__name__": "__rank__"})
+
+
+def _forked_module(module: str, argv: list[str], out: str, err: str, env: dict, cwd: str) -> None:
+    """`python -m module *argv` in a process forked from the forkserver (see run_module)."""
+    import atexit
+    import runpy
+    import traceback
+
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [module, *argv]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:  # as the interpreter turns it into an exit status
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - an uncaught exception: traceback, status 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class ModuleProcess:
+    """`python -m module` forked from the forkserver, with the Popen calls the tests make
+    (stdout and stderr together, as Popen(stdout=PIPE, stderr=STDOUT, text=True) gives them)."""
+
+    def __init__(self, module: str, argv: list[str], *, cwd: Path = REPO, env: dict | None = None):
+        env = dict(os.environ if env is None else env)
+        env.update(PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", **_STARTUP_ENV)
+        self._tmp = tempfile.TemporaryDirectory(prefix="module-")
+        self._out = Path(self._tmp.name) / "output"
+        self.args = [sys.executable, "-m", module, *map(str, argv)]
+        self._process = _forked_context().Process(target=_forked_module, daemon=False, args=(
+            module, self.args[3:], str(self._out), str(self._out), env, str(cwd)))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    @property
+    def stdout(self):
+        """The output so far (read() it), as Popen's pipe gives it at the end."""
+        return io.StringIO(self._out.read_text() if self._out.exists() else "")
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.stdout.read(), None
+
+
+def run_module(module: str, argv: list[str], *, cwd: Path = REPO, env: dict | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m module *argv` as subprocess.run(capture_output=True, text=True) returns it, in a
+    process forked from the forkserver: the same command without its ~6 CPU-s of imports.
+    Its start-up environment is the forkserver's (_STARTUP_ENV), the rest is `env` (default:
+    this process's), with this checkout on PYTHONPATH. Timeout: killed, subprocess.TimeoutExpired."""
+    env = dict(os.environ if env is None else env)
+    env.update(PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", **_STARTUP_ENV)
+    with tempfile.TemporaryDirectory(prefix="module-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        process = _forked_context().Process(target=_forked_module, daemon=False,
+                                            args=(module, [str(a) for a in argv], str(out), str(err), env, str(cwd)))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired([module, *argv], timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], process.exitcode,
+                                           out.read_text(), err.read_text())
 
 
 class RankFailure(AssertionError):

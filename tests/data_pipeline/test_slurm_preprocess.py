@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from data_pipeline.preprocess import main as preprocess_main
+from tests.distributed import run_module
 from tests.data_pipeline.test_preprocess_slurm import corpus, options
-from tests.launch.slurm_helpers import REPO, slurm_env, wait_for_job  # noqa: F401  (fixture)
+from tests.launch.slurm_helpers import slurm_env, wait_for_job  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow]
 
 
 def cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data_pipeline.preprocess_slurm", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_module("data_pipeline.preprocess_slurm", args, env=env, timeout=300)
 
 
 def submit(args: list[str], env: dict) -> tuple[str | None, str, str]:

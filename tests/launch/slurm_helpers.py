@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from launch.launchers.ci_cluster import (
     start,
     stop,
 )
+from tests.distributed import run_module
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -101,9 +101,8 @@ def multinode_cluster(nodes: int, prefix: str):
 
 
 def launch(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    """`python -m launch.slurm ARGS` as a user types it."""
-    return subprocess.run([sys.executable, "-m", "launch.slurm", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    """`python -m launch.slurm ARGS` as a user types it (forked with its imports done)."""
+    return run_module("launch.slurm", args, env=env, timeout=60)
 
 
 def submit(args: list[str], env: dict) -> str:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +12,7 @@ from pretrain.checkpointing.format import CheckpointError
 from pretrain.checkpointing.resume import plan_resume
 from pretrain.cli import resolve_config
 from tests.compare import assert_steps_close, assert_steps_equal
-from tests.distributed import REPO, RankFailure, run_ranks
+from tests.distributed import ModuleProcess, RankFailure, run_ranks
 from tests.pretrain.workers import logged_losses
 
 pytestmark = [pytest.mark.distributed]
@@ -95,10 +92,9 @@ def _metrics(run_dir):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _pretrain(args, **kwargs):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "pretrain", "--recipe", "tiny-llama", *args],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+def _pretrain(args):
+    """`python -m pretrain` as a user starts it (forked with its imports done), signals and all."""
+    return ModuleProcess("pretrain", ["--recipe", "tiny-llama", *args])
 
 
 @pytest.mark.slow

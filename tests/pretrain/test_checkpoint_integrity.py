@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.distributed import REPO, run_ranks
+from tests.distributed import run_module, run_ranks
 from tests.pretrain.workers import logged_losses
 
 pytestmark = [pytest.mark.distributed]
@@ -38,11 +36,9 @@ def _copy(trained, tmp_path):
 
 
 def _resume(ckpt, tmp_path, *extra, steps=4):
-    """python -m pretrain as a user runs it: (exit code, output)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pretrain", "--recipe", "tiny-llama", *BASE, f"schedule.train_steps={steps}",
-         f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path / 'run'}", *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+    """python -m pretrain as a user runs it (forked with its imports done): (exit code, output)."""
+    result = run_module("pretrain", ["--recipe", "tiny-llama", *BASE, f"schedule.train_steps={steps}",
+                                     f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path / 'run'}", *extra])
     return result.returncode, result.stdout + result.stderr
 
 

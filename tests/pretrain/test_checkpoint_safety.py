@@ -7,12 +7,10 @@ import io
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.distributed import REPO, run_ranks
+from tests.distributed import REPO, run_module, run_ranks
 
 BASE = ["schedule.train_steps=1", "schedule.seq_length=32", "schedule.micro_batch_size=2",
         "schedule.global_batch_size=2", "data.demo=false", "data.mock=true", "runtime.spec=portable",
@@ -38,7 +36,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _cli(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return run_module(args[0], args[1:], cwd=cwd)
 
 
 @pytest.mark.parametrize("command", ["resume", "reshard", "export_hf", "verify"])

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 
 from pretrain.cli import resolve_config
 from pretrain.config import ConfigError, apply_overrides, dump_yaml, validate_for_world
 from pretrain.recipes import RECIPES, get_recipe
-from tests.distributed import REPO
+from tests.distributed import run_module
 
 
 def test_every_recipe_resolves_and_validates_for_its_intended_scale():
@@ -146,8 +145,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return run_module("pretrain", list(args), timeout=120)
 
 
 def test_dry_run_prints_resolved_config_and_validates():

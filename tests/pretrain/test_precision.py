@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
@@ -17,7 +15,7 @@ from pretrain.checkpointing.checkpointer import precision_change, training_meta
 from pretrain.checkpointing.format import CheckpointMeta
 from pretrain.cli import resolve_config
 from pretrain.config import ConfigError, validate_for_machine, validate_for_world
-from tests.distributed import REPO
+from tests.distributed import run_module
 from tests.models.test_precision import B200, H100
 
 BF16 = ["runtime.dtype=bf16"]
@@ -149,9 +147,7 @@ def test_resume_with_other_precision_warns_and_continues(tmp_path):
             "logging.tensorboard=false", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.run_dir={tmp_path}"]
 
     def run(*extra):
-        proc = subprocess.run([sys.executable, "-m", "pretrain", "--recipe", "tiny-llama", *base, *extra],
-                              cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        proc = run_module("pretrain", ["--recipe", "tiny-llama", *base, *extra])  # OMP_NUM_THREADS=1
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 

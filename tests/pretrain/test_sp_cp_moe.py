@@ -9,15 +9,13 @@ checkpoint saved at CP2 x EP2 resumes at CP1 x EP1 on the same trajectory.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from pretrain.cli import resolve_config
 from pretrain.config import ConfigError, validate_for_machine, validate_for_world
 from tests.compare import assert_steps_close
-from tests.distributed import REPO, run_ranks
+from tests.distributed import run_module, run_ranks
 from tests.pretrain.workers import logged_losses
 
 STEPS = 5
@@ -203,8 +201,7 @@ def test_te_spec_without_transformer_engine_is_refused_at_setup(tmp_path):
     with pytest.raises(ConfigError, match="layer spec 'te' needs Transformer Engine"):
         validate_for_machine(config)
     # The entry point reports it and exits 2 before creating a process group.
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "--recipe", "tiny-llama", *BASE, *SEQ64,
-                           "runtime.spec=te", f"logging.run_dir={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_module("pretrain", ["--recipe", "tiny-llama", *BASE, *SEQ64, "runtime.spec=te",
+                                   f"logging.run_dir={tmp_path}"], timeout=120)
     assert proc.returncode == 2 and "needs Transformer Engine" in proc.stderr, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
