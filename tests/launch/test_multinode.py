@@ -3,8 +3,8 @@
 Each node has its own hostname, address and slurmd (launch/launchers/ci_multinode.py): a
 rank that bound loopback, or a TP group split over hosts, shows here as on real nodes. One
 cluster serves the module; every 2-node job is submitted at once and the one-node
-references (`launch.local`, the same layout and code path) run while they wait. Skips
-with the reason where it cannot run (not root, no `ip netns`, no Slurm), a failure under
+references (the same layout and training code, ranks forked by tests/distributed.py) run
+while they wait. Skips with the reason where it cannot run (not root, no `ip netns`, no Slurm), a failure under
 PRETRAIN_REQUIRE_SLURM=1 (CI).
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import run_ranks
 from tests.launch.slurm_helpers import REPO, describe, multinode_cluster, submit, wait_for_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -75,14 +76,13 @@ def _two_node(name: str, recipe: str, launcher: str, overrides: list[str], base:
 
 
 def _one_node(name: str, recipe: str, overrides: list[str], base: Path, demo: Path, nproc: int = 4) -> Path:
-    """The same layout through launch.local (torchrun on this machine, loopback)."""
+    """The same layout on this machine (loopback): nproc ranks from the test forkserver, which
+    run the same setup and training as `launch.local`'s (tests/distributed.py), without
+    torchrun and each rank's imports (~6 CPU-s a rank)."""
     run_dir = base / f"1n-{name}"
-    result = subprocess.run(
-        [sys.executable, "-m", "launch.local", "--recipe", recipe, "--nproc", str(nproc), *SMALL, *overrides,
-         f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints",
-         f"data.cache_dir={_cache(base, demo, '1n-' + name)}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"one-node {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    run_ranks(nproc, "tests.pretrain.workers:train", timeout=300, recipe=recipe, overrides=[
+        *SMALL, *overrides, f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints",
+        f"data.cache_dir={_cache(base, demo, '1n-' + name)}"])
     return run_dir
 
 

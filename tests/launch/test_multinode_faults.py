@@ -2,8 +2,8 @@
 
 One 14-node cluster serves the module; six 2-node jobs (one rank per node, DP2, a checkpoint
 every 2 steps; the elastic one two per node, DP4) run at once, each hit by one fault after its
-step-2 checkpoint, while the uninterrupted one-node references (launch.local, DP2 and DP4) run
-here. One rank per node halves the ranks to start (the suite's time is mostly rank start-up);
+step-2 checkpoint; the uninterrupted one-node references (DP2 and DP4, ranks forked by
+tests/distributed.py) run here while the jobs finish. One rank per node halves the ranks to start (the suite's time is mostly rank start-up);
 the faults are the nodes', and tests/launch/test_multinode.py covers two ranks per node:
   (a) crash: everything on the job's second node is SIGKILLed mid-run (a power loss) -> Slurm
       requeues the job, which resumes from the last complete checkpoint on other nodes; every
@@ -30,14 +30,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.launch.slurm_helpers import REPO, describe, job_info, multinode_cluster, submit, wait_for_job
+from tests.distributed import run_ranks
+from tests.launch.slurm_helpers import describe, job_info, multinode_cluster, submit, wait_for_job
 from tests.launch.test_multinode import _cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -132,11 +132,6 @@ def faults(cluster, tmp_path_factory):
     finally:
         subprocess.run([*partition, "State=UP"], env=env, check=True)
     ref_dirs = {dp: base / f"reference-dp{dp}" for dp in sorted({2 * n for n in PER_NODE.values()})}
-    refs = [subprocess.Popen([sys.executable, "-m", "launch.local", "--recipe", "tiny-llama", "--nproc", str(dp),
-                              *COMMON, f"logging.run_dir={ref_dir}", f"checkpoint.dir={ref_dir}/checkpoints",
-                              f"data.cache_dir={_cache(base, demo, ref_dir.name)}"],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for dp, ref_dir in ref_dirs.items()]
     times: dict[str, dict[str, float]] = {name: {} for name in FAULTS}
     pending = set(FAULTS)
     deadline = time.monotonic() + 420
@@ -168,9 +163,12 @@ def faults(cluster, tmp_path_factory):
     # The cut node comes back while the job trains elsewhere: its stray ranks (if any are
     # left) must not touch the run's checkpoints.
     ci_multinode.heal_network(layout, int(times["cut"]["node"].removeprefix("mn")))
-    for ref in refs:
-        out = ref.communicate(timeout=400)[0]
-        assert ref.returncode == 0, out[-3000:]
+    # The uninterrupted references, after the timings (their load would lengthen them), while
+    # the jobs finish: ranks forked by tests/distributed.py, the training code of launch.local's.
+    for dp, ref_dir in ref_dirs.items():
+        run_ranks(dp, "tests.pretrain.workers:train", timeout=300, recipe="tiny-llama", overrides=[
+            *COMMON, f"logging.run_dir={ref_dir}", f"checkpoint.dir={ref_dir}/checkpoints",
+            f"data.cache_dir={_cache(base, demo, ref_dir.name)}"])
     finished = {name: wait_for_job(job_id, env, run_dir, timeout=300) for name, (job_id, run_dir) in jobs.items()}
     return jobs, finished, times, ref_dirs
 
