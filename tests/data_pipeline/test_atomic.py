@@ -6,8 +6,6 @@ from __future__ import annotations
 import filecmp
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -18,9 +16,9 @@ from data_pipeline.checks import WorkFailed
 from data_pipeline.indexed_writer import AtomicIndexedDataset, OutputError
 from data_pipeline.preprocess import preprocess
 from tests.data_pipeline.conftest import kjv_texts, output_files, read_documents, write_jsonl
+from tests.distributed import ModuleProcess, run_module
 
 DEMO = "data_pipeline/assets/demo_sp.model"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def looks_valid(prefix: str) -> bool:
@@ -32,9 +30,9 @@ def test_sigkill_mid_run_then_rerun_gives_identical_bytes(tmp_path):
     corpus = write_jsonl(tmp_path / "kjv.jsonl", kjv_texts())  # 4.3 MB: ~2 s of work, 1 worker
     (tmp_path / "out").mkdir()
     prefix = str(tmp_path / "out" / "kjv")
-    command = [sys.executable, "-m", "data_pipeline.preprocess", "-i", corpus, "-o", prefix,
+    command = ["-i", corpus, "-o", prefix,
                "-t", DEMO, "--append-eod", "-j", "1", "--chunk-bytes", "65536", "--no-progress"]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = ModuleProcess("data_pipeline.preprocess", command)  # forked, its imports done
     partial = prefix + ".bin.partial"
     deadline = time.time() + 120
     while not (os.path.exists(partial) and os.path.getsize(partial) > 200_000):
@@ -50,7 +48,7 @@ def test_sigkill_mid_run_then_rerun_gives_identical_bytes(tmp_path):
     assert not looks_valid(prefix)  # only *.partial (and the lock file) remain
     assert os.path.exists(partial)
 
-    rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    rerun = run_module("data_pipeline.preprocess", command, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert sorted(os.listdir(tmp_path / "out")) == ["kjv.bin", "kjv.idx", "kjv.meta.json"]
 

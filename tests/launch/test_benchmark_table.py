@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 
 from launch.benchmark_table import expand_precisions, failure_note, precision_overrides, summarise_windows
-from tests.distributed import REPO
+from tests.distributed import run_module
 
 
 def test_precisions_expand_to_the_recipes_the_gpu_runs():
@@ -47,10 +45,10 @@ def test_failed_cells_are_told_apart():
 @pytest.mark.slow
 def test_table_runs_tiny_cells_and_resumes(tmp_path):
     out = tmp_path / "table.jsonl"
-    cmd = [sys.executable, "-m", "launch.benchmark_table", "--recipe", "tiny-llama", "--layers", "2",
+    cmd = ["--recipe", "tiny-llama", "--layers", "2",
            "--seq", "32", "--precision", "fp32", "fp8", "fp8-mxfp8", "--micro-batch", "1", "2",
            "--global-batch", "2", "--warmup", "1", "--steps", "1", "--windows", "3", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = run_module("launch.benchmark_table", cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["cell"]["precision"], r["cell"]["micro_batch"], r["status"]) for r in results] == [
@@ -65,9 +63,8 @@ def test_table_runs_tiny_cells_and_resumes(tmp_path):
     table = (tmp_path / "table.jsonl.md").read_text()
     assert "| 2 | 32 | fp32 | baseline | 1 |" in table and "SKIPPED: MXFP8 needs" in table
     # Again: every cell is already in the file, nothing runs, the table is the same.
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    again = run_module("launch.benchmark_table", cmd, timeout=120)
     assert again.returncode == 0 and len(out.read_text().splitlines()) == 4
     assert (tmp_path / "table.jsonl.md").read_text() == table
-    rendered = subprocess.run([sys.executable, "-m", "launch.benchmark_table", "--render", str(out)],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    rendered = run_module("launch.benchmark_table", ["--render", str(out)], timeout=120)
     assert rendered.returncode == 0 and rendered.stdout.strip() == table.split("\n\n", 1)[1].strip()

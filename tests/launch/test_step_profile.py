@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from launch.step_profile import union_us
-from tests.distributed import REPO
+from tests.distributed import run_module
 
 
 def test_union_of_intervals():
@@ -21,12 +19,11 @@ def test_union_of_intervals():
 @pytest.mark.slow
 def test_profile_tiny_llama_on_cpu(tmp_path):
     trace = tmp_path / "trace.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.step_profile", "--recipe", "tiny-llama", "--warmup", "1", "--steps", "3",
+    proc = run_module(
+        "launch.step_profile", ["--recipe", "tiny-llama", "--warmup", "1", "--steps", "3",
          "--trace", str(trace), "data.demo=false", "data.mock=true", "schedule.seq_length=32",
          "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "runtime.spec=portable",
-         f"logging.run_dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+         f"logging.run_dir={tmp_path}"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["steps"] == 3 and len(result["step_time_s"]) == 3
