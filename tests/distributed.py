@@ -124,17 +124,22 @@ def _forked_module(module: str, argv: list[str], out: str, err: str, env: dict, 
 
 
 class ModuleProcess:
-    """`python -m module` forked from the forkserver, with the Popen calls the tests make
-    (stdout and stderr together, as Popen(stdout=PIPE, stderr=STDOUT, text=True) gives them)."""
+    """`python -m module *argv` in a process forked from the forkserver: the same command
+    without its ~6 CPU-s of imports, with the Popen calls the tests make. Its start-up
+    environment is the forkserver's (_STARTUP_ENV), the rest is `env` (default: this
+    process's), with this checkout on PYTHONPATH. Output: stdout and stderr together, as
+    Popen(stdout=PIPE, stderr=STDOUT, text=True) gives them, unless `stderr_apart`."""
 
-    def __init__(self, module: str, argv: list[str], *, cwd: Path = REPO, env: dict | None = None):
+    def __init__(self, module: str, argv: list[str], *, cwd: Path = REPO, env: dict | None = None,
+                 stderr_apart: bool = False):
         env = dict(os.environ if env is None else env)
         env.update(PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", **_STARTUP_ENV)
         self._tmp = tempfile.TemporaryDirectory(prefix="module-")
         self._out = Path(self._tmp.name) / "output"
+        self._err = Path(self._tmp.name) / "stderr" if stderr_apart else self._out
         self.args = [sys.executable, "-m", module, *map(str, argv)]
         self._process = _forked_context().Process(target=_forked_module, daemon=False, args=(
-            module, self.args[3:], str(self._out), str(self._out), env, str(cwd)))
+            module, self.args[3:], str(self._out), str(self._err), env, str(cwd)))
         self._process.start()
         self.pid = self._process.pid
 
@@ -146,6 +151,10 @@ class ModuleProcess:
     def stdout(self):
         """The output so far (read() it), as Popen's pipe gives it at the end."""
         return io.StringIO(self._out.read_text() if self._out.exists() else "")
+
+    @property
+    def stderr_text(self) -> str:
+        return self._err.read_text() if self._err.exists() else ""
 
     def poll(self) -> int | None:
         return self._process.exitcode
@@ -170,24 +179,16 @@ class ModuleProcess:
 
 def run_module(module: str, argv: list[str], *, cwd: Path = REPO, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m module *argv` as subprocess.run(capture_output=True, text=True) returns it, in a
-    process forked from the forkserver: the same command without its ~6 CPU-s of imports.
-    Its start-up environment is the forkserver's (_STARTUP_ENV), the rest is `env` (default:
-    this process's), with this checkout on PYTHONPATH. Timeout: killed, subprocess.TimeoutExpired."""
-    env = dict(os.environ if env is None else env)
-    env.update(PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", **_STARTUP_ENV)
-    with tempfile.TemporaryDirectory(prefix="module-") as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        process = _forked_context().Process(target=_forked_module, daemon=False,
-                                            args=(module, [str(a) for a in argv], str(out), str(err), env, str(cwd)))
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired([module, *argv], timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], process.exitcode,
-                                           out.read_text(), err.read_text())
+    """`python -m module *argv` as subprocess.run(capture_output=True, text=True) returns it,
+    forked (ModuleProcess). Timeout: killed, subprocess.TimeoutExpired."""
+    process = ModuleProcess(module, argv, cwd=cwd, env=env, stderr_apart=True)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise subprocess.TimeoutExpired(process.args, timeout, process.stdout.read(), process.stderr_text) from None
+    return subprocess.CompletedProcess(process.args, process.returncode, process.stdout.read(), process.stderr_text)
 
 
 class RankFailure(AssertionError):
