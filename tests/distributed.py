@@ -78,16 +78,26 @@ def _forked_context():
     return _forkserver
 
 
-def _forked_rank(target: str, kwargs_file: str, out: str, log_path: str, env: dict) -> None:
-    """A rank in a process forked from the forkserver: what _BOOT does in a fresh one."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _become(stdout: str, stderr: str, env: dict, cwd: str | Path, argv: list[str]) -> None:
+    """A process forked from the forkserver takes its own output files (the same path: one
+    file for both), environment, working directory and argv."""
+    out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # One open file for both when they share a path: one offset, so neither overwrites the other.
+    err = out if stderr == stdout else os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for source, fd in ((out, 1), (err, 2)):
+        os.dup2(source, fd)
+    os.close(out)
+    if err != out:
+        os.close(err)
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(REPO)
-    sys.argv = ["-c", target, kwargs_file, out]
+    os.chdir(cwd)
+    sys.argv = argv
+
+
+def _forked_rank(target: str, kwargs_file: str, out: str, log_path: str, env: dict) -> None:
+    """A rank in a process forked from the forkserver: what _BOOT does in a fresh one."""
+    _become(log_path, log_path, env, REPO, ["-c", target, kwargs_file, out])
     exec(compile(_BOOT, "<rank>", "exec"), {"__name__": "__rank__"})
 
 
@@ -97,14 +107,7 @@ def _forked_module(module: str, argv: list[str], out: str, err: str, env: dict, 
     import runpy
     import traceback
 
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    sys.argv = [module, *argv]
+    _become(out, err, env, cwd, [module, *argv])
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from data_pipeline.preprocess import main as preprocess_main
-from tests.distributed import run_module
 from tests.data_pipeline.test_preprocess_slurm import corpus, options
+from tests.distributed import run_module
 from tests.launch.slurm_helpers import slurm_env, wait_for_job  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow]

@@ -4,8 +4,8 @@ Each node has its own hostname, address and slurmd (launch/launchers/ci_multinod
 rank that bound loopback, or a TP group split over hosts, shows here as on real nodes. One
 cluster serves the module; every 2-node job is submitted at once and the one-node
 references (the same layout and training code, ranks forked by tests/distributed.py) run
-while they wait. Skips with the reason where it cannot run (not root, no `ip netns`, no Slurm), a failure under
-PRETRAIN_REQUIRE_SLURM=1 (CI).
+while they wait. Skips with the reason where it cannot run (not root, no `ip netns`, no
+Slurm), a failure under PRETRAIN_REQUIRE_SLURM=1 (CI).
 """
 
 from __future__ import annotations
@@ -75,15 +75,19 @@ def _two_node(name: str, recipe: str, launcher: str, overrides: list[str], base:
     return submit(args, env), run_dir
 
 
-def _one_node(name: str, recipe: str, overrides: list[str], base: Path, demo: Path, nproc: int = 4) -> Path:
-    """The same layout on this machine (loopback): nproc ranks from the test forkserver, which
-    run the same setup and training as `launch.local`'s (tests/distributed.py), without
+def one_node_reference(run_dir: Path, nproc: int, recipe: str, overrides: list[str], cache: Path) -> Path:
+    """An uninterrupted run on this machine (loopback): nproc ranks from the test forkserver,
+    which run the same setup and training as `launch.local`'s (tests/distributed.py), without
     torchrun and each rank's imports (~6 CPU-s a rank)."""
-    run_dir = base / f"1n-{name}"
     run_ranks(nproc, "tests.pretrain.workers:train", timeout=300, recipe=recipe, overrides=[
-        *SMALL, *overrides, f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints",
-        f"data.cache_dir={_cache(base, demo, '1n-' + name)}"])
+        *overrides, f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints", f"data.cache_dir={cache}"])
     return run_dir
+
+
+def _one_node(name: str, recipe: str, overrides: list[str], base: Path, demo: Path, nproc: int = 4) -> Path:
+    """The same layout on one node."""
+    return one_node_reference(base / f"1n-{name}", nproc, recipe, [*SMALL, *overrides],
+                              _cache(base, demo, "1n-" + name))
 
 
 @pytest.fixture(scope="module")

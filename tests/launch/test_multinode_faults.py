@@ -3,8 +3,9 @@
 One 14-node cluster serves the module; six 2-node jobs (one rank per node, DP2, a checkpoint
 every 2 steps; the elastic one two per node, DP4) run at once, each hit by one fault after its
 step-2 checkpoint; the uninterrupted one-node references (DP2 and DP4, ranks forked by
-tests/distributed.py) run here while the jobs finish. One rank per node halves the ranks to start (the suite's time is mostly rank start-up);
-the faults are the nodes', and tests/launch/test_multinode.py covers two ranks per node:
+tests/distributed.py) run here while the jobs finish. One rank per node halves the ranks to
+start (the suite's time is mostly rank start-up); the faults are the nodes', and
+tests/launch/test_multinode.py covers two ranks per node:
   (a) crash: everything on the job's second node is SIGKILLed mid-run (a power loss) -> Slurm
       requeues the job, which resumes from the last complete checkpoint on other nodes; every
       step bitwise equal to the uninterrupted run;
@@ -36,9 +37,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.distributed import run_ranks
 from tests.launch.slurm_helpers import describe, job_info, multinode_cluster, submit, wait_for_job
-from tests.launch.test_multinode import _cache
+from tests.launch.test_multinode import _cache, one_node_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -164,11 +164,9 @@ def faults(cluster, tmp_path_factory):
     # left) must not touch the run's checkpoints.
     ci_multinode.heal_network(layout, int(times["cut"]["node"].removeprefix("mn")))
     # The uninterrupted references, after the timings (their load would lengthen them), while
-    # the jobs finish: ranks forked by tests/distributed.py, the training code of launch.local's.
+    # the jobs finish.
     for dp, ref_dir in ref_dirs.items():
-        run_ranks(dp, "tests.pretrain.workers:train", timeout=300, recipe="tiny-llama", overrides=[
-            *COMMON, f"logging.run_dir={ref_dir}", f"checkpoint.dir={ref_dir}/checkpoints",
-            f"data.cache_dir={_cache(base, demo, ref_dir.name)}"])
+        one_node_reference(ref_dir, dp, "tiny-llama", COMMON, _cache(base, demo, ref_dir.name))
     finished = {name: wait_for_job(job_id, env, run_dir, timeout=300) for name, (job_id, run_dir) in jobs.items()}
     return jobs, finished, times, ref_dirs
 
