@@ -163,18 +163,25 @@ class GigatokenEncoder:
             raise EncoderUnavailable(f"gigatoken failed to load {reference.spec!r}: "
                                      f"{type(err).__name__}: {first_line}") from None
 
-    def encode_array(self, text: str) -> np.ndarray:
+    def encode_array(self, text: str, utf8: bytes | None = None) -> np.ndarray:
+        """`text`'s ids; `utf8`: its UTF-8 if the caller has it (the same ids: gigatoken reads
+        str as UTF-8, and a non-ASCII str would be encoded to it once more for the call)."""
         pieces = self.reference.pieces(text)
         if len(pieces) == 1:  # the common case: no cut
-            return self._tok.encode(text)
+            return self._tok.encode(text if utf8 is None else utf8)
         return np.concatenate([self._tok.encode(piece) for piece in pieces])
 
     def encode_documents(self, texts: list[str], dtype=np.int64, eod: int | None = None,
-                         into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                         into: np.ndarray | None = None,
+                         utf8: list[bytes | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """As Tokenizer.encode_documents. One call into Rust per document: as fast as
         encode_batch(parallel=False) here, and no awkward array (its import alone cost
         0.13 CPU-s per process, more than encoding 30 MB of Llama-3 text)."""
-        return join_documents([self.encode_array(text) for text in texts], dtype, eod, into)
+        if utf8 is None:
+            arrays = [self.encode_array(text) for text in texts]
+        else:
+            arrays = [self.encode_array(text, data) for text, data in zip(texts, utf8, strict=True)]
+        return join_documents(arrays, dtype, eod, into)
 
     # Spawned workers rebuild it from the converted tokenizer.json (no second conversion).
     def __getstate__(self) -> dict:
@@ -188,7 +195,9 @@ def first_difference(reference: Tokenizer, encoder, texts, wanted: list | None =
     """Index of the first text whose ids differ between the two encoders, or None.
     `wanted`: the reference's ids of the first len(wanted) texts, where known."""
     wanted = wanted or []
-    tokens, lengths = encoder.encode_documents(list(texts))
+    # Non-ASCII texts as UTF-8 too, as the workers hand them over (sources.text_utf8).
+    utf8 = [None if text.isascii() else text.encode("utf-8") for text in texts]
+    tokens, lengths = encoder.encode_documents(list(texts), utf8=utf8)
     ends = np.cumsum(lengths)
     for index, text in enumerate(texts):
         ours = tokens[ends[index] - lengths[index]:ends[index]]

@@ -260,12 +260,21 @@ def _parquet_chunks(path: str, chunk_bytes: int, text_field: str, row_groups: li
 
 def check_text(text: str) -> int:
     """UTF-8 size of a document's text; raises BadRecord for empty or invalid text."""
+    utf8 = text_utf8(text)
+    return len(text) if utf8 is None else len(utf8)
+
+
+def text_utf8(text: str) -> bytes | None:
+    """A document's UTF-8, or None where the text is ASCII (then it is its own UTF-8, and
+    len(text) its size); raises BadRecord for empty or invalid text. The workers hand the
+    bytes to gigatoken, which would otherwise encode a non-ASCII str to UTF-8 once more
+    (~0.05 CPU-s per 100 MB of Debian text)."""
     if not text or text.isspace():
         raise BadRecord("empty document", "empty document (no text or whitespace only)")
     if text.isascii():  # O(1) in CPython: the common case costs nothing
-        return len(text)
+        return None
     try:
-        return len(text.encode("utf-8"))
+        return text.encode("utf-8")
     except UnicodeEncodeError as err:  # lone surrogates, e.g. from a "\ud800" JSON escape
         raise BadRecord("invalid UTF-8", f"invalid UTF-8: lone surrogate at character {err.start + 1} "
                                          "of the text") from None

@@ -98,10 +98,13 @@ class Tokenizer(ABC):
         return np.asarray(self.encode(text), dtype=np.int64)
 
     def encode_documents(self, texts: list[str], dtype=np.int64, eod: int | None = None,
-                         into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                         into: np.ndarray | None = None,
+                         utf8: list[bytes | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Every text's ids end to end as `dtype`, each followed by `eod` unless None, and
         each text's count (with its eod): the preprocess workers' call, one per chunk
-        (fast_encoders.GigatokenEncoder has the same). `into`: see join_documents."""
+        (fast_encoders.GigatokenEncoder has the same). `into`: see join_documents. `utf8`:
+        each text's UTF-8 where the caller has it (sources.text_utf8), which only gigatoken
+        uses."""
         return join_documents([self.encode_array(text) for text in texts], dtype, eod, into)
 
     def pieces(self, text: str) -> list[str]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from data_pipeline.processes import die_with_parent, get_unless_orphaned
-from data_pipeline.sources import BadRecord, Chunk, FileRange, InputError, check_text, iter_records
+from data_pipeline.sources import BadRecord, Chunk, FileRange, InputError, iter_records, text_utf8
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,13 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig,
         except InputError as err:
             result.fatal = str(err)  # the main process names the file
             return result
-    texts, indices, text_bytes, index = [], [], 0, -1
+    texts, utf8, indices, text_bytes, index = [], [], [], 0, -1
     for index, text in iter_records(chunk, config.text_field):
         try:
             if isinstance(text, BadRecord):
                 raise text
-            size = check_text(text)
+            data = text_utf8(text)
+            size = len(text) if data is None else len(data)
             if size > config.max_document_bytes:
                 raise BadRecord("document too long", too_long(size, config.max_document_bytes))
             text_bytes += size
@@ -123,12 +124,13 @@ def tokenize_chunk(chunk: Chunk, tokenizer, config: WorkerConfig,
                 break  # the run stops at this record; the rest of the chunk is never written
             continue
         texts.append(text)
+        utf8.append(data)
         indices.append(index)
     result.records = index + 1
     try:
         # Straight into the output dtype, EOD included: one copy of the ids.
         tokens, lengths = tokenizer.encode_documents(texts, np.dtype(config.dtype), config.append_eod,
-                                                     into=slot)
+                                                     into=slot, utf8=utf8)
     except Exception:  # a tokenizer bug or limit: find and name the record that hit it
         result.failed = _failing_record(tokenizer, texts, indices)
         return result

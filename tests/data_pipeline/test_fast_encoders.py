@@ -50,12 +50,16 @@ def hard_documents(real: list[str]) -> list[str]:
 
 
 def assert_same_ids(tok, encoder, texts: list[str]) -> None:
-    tokens, lengths = encoder.encode_documents(texts)
-    assert len(lengths) == len(texts) and lengths.sum() == len(tokens)
-    ends = np.cumsum(lengths)
-    for index, text in enumerate(texts):
-        ours = tokens[ends[index] - lengths[index]:ends[index]].tolist()
-        assert ours == tok.encode(text), f"document {index} differs"
+    """Both ways preprocess's workers can hand documents over: as str, and with the UTF-8 of
+    the non-ASCII ones (sources.text_utf8) beside them."""
+    utf8 = [None if text.isascii() else text.encode("utf-8") for text in texts]
+    for form in (None, utf8):
+        tokens, lengths = encoder.encode_documents(texts, utf8=form)
+        assert len(lengths) == len(texts) and lengths.sum() == len(tokens)
+        ends = np.cumsum(lengths)
+        for index, text in enumerate(texts):
+            ours = tokens[ends[index] - lengths[index]:ends[index]].tolist()
+            assert ours == tok.encode(text), f"document {index} differs ({'UTF-8' if form else 'str'})"
 
 
 @pytest.fixture(scope="module")
