@@ -35,7 +35,7 @@ import numpy as np
 
 from data_pipeline.tokenizers import (
     LLAMA3_PATTERN, TIKTOKEN_PREFIX, HFTokenizer, SentencePieceTokenizer,
-    TiktokenTokenizer, Tokenizer, TokenizerLoadError, join_documents,
+    TiktokenTokenizer, Tokenizer, TokenizerLoadError, join_documents, tiktoken_reads_files_afresh,
 )
 
 ENCODERS = ("auto", "reference", "gigatoken")
@@ -103,8 +103,9 @@ def _tiktoken_json(tok: TiktokenTokenizer) -> str:
                                  "TikTokenConverter: pip install transformers==5.23.0") from None
 
     hf_logging.set_verbosity_error()  # it warns about tiktoken's own file format
-    converted = TikTokenConverter(vocab_file=tok.spec[len(TIKTOKEN_PREFIX):],
-                                  pattern=LLAMA3_PATTERN).converted()
+    path = tok.spec[len(TIKTOKEN_PREFIX):]
+    with tiktoken_reads_files_afresh(path):  # the converter reads the ranks through tiktoken
+        converted = TikTokenConverter(vocab_file=path, pattern=LLAMA3_PATTERN).converted()
     data = json.loads(converted.to_str())
     # No added tokens: Llama-3's specials (ids above the ranks) stay text, as in
     # TiktokenTokenizer.encode_array.

@@ -23,6 +23,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from contextlib import contextmanager
 from functools import cached_property
 
 import numpy as np
@@ -284,7 +285,10 @@ class TiktokenTokenizer(Tokenizer):
 
         path = spec[len(TIKTOKEN_PREFIX):]
         try:
-            ranks = load_tiktoken_bpe(path)
+            with tiktoken_reads_files_afresh(path):
+                ranks = load_tiktoken_bpe(path)
+        except TokenizerLoadError:
+            raise
         except Exception as err:  # binascii/ValueError on a file of another format
             raise TokenizerLoadError(f"{path!r} is not a tiktoken BPE rank file ({err}); each line "
                                      "must be '<base64 token> <rank>'") from err
@@ -338,6 +342,36 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+
+@contextmanager
+def tiktoken_reads_files_afresh(path: str):
+    """Around a tiktoken read of the rank file `path` (tiktoken.load.load_tiktoken_bpe, also
+    inside transformers' TikTokenConverter): tiktoken 0.14.0 keeps a copy of every file it
+    reads, local paths included, under the hash of the path in $TIKTOKEN_CACHE_DIR (default
+    /tmp/data-gym-cache), and reads that copy from then on. A tokenizer file replaced at the
+    same path was then read as the old one, while unique_identifiers hashes the new one:
+    the old ids under the new tokenizer's name. TIKTOKEN_CACHE_DIR="" turns the copy off;
+    it is set only for the read (tiktoken reads it at each call). Guard: what tiktoken reads
+    must be the file's bytes, else a loud error (an upstream change to that cache)."""
+    from tiktoken.load import read_file_cached
+
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""
+    try:
+        with open(path, "rb") as f:
+            on_disk = f.read()
+        if read_file_cached(path) != on_disk:
+            raise TokenizerLoadError(
+                f"tiktoken read {path!r} from its own cache, not from the file, although "
+                "TIKTOKEN_CACHE_DIR is empty: this tiktoken changes how it caches files "
+                "(data_pipeline.tokenizers.tiktoken_reads_files_afresh was written for 0.14.0)")
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
 
 
 def join_documents(arrays: list[np.ndarray], dtype, eod: int | None,

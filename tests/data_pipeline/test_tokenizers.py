@@ -4,6 +4,7 @@ pickles, and fails to load with a message that names the fix."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import numpy as np
@@ -143,3 +144,28 @@ def test_load_errors_name_the_problem(tmp_path):
     ranks.write_text("not-base64!! x\n")
     with pytest.raises(TokenizerLoadError, match="not a tiktoken BPE rank file"):
         load_tokenizer("tiktoken:" + str(ranks))
+
+
+def test_a_tiktoken_file_replaced_at_the_same_path_is_read_anew(llama3_model, tmp_path, monkeypatch):
+    """tiktoken keeps a copy of every file it reads under the hash of its path and reads the
+    copy next time: a replaced tokenizer file must still be read as the new one (the one
+    unique_identifiers hashes), by the reference and by gigatoken's converted form."""
+    from tiktoken.load import load_tiktoken_bpe
+
+    from data_pipeline.fast_encoders import GigatokenEncoder, choose_encoder
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
+    monkeypatch.setenv("GIGATOKEN_JSON_CACHE", str(tmp_path / "gigatoken-cache"))
+    monkeypatch.setattr("data_pipeline.fast_encoders.CACHE_DIR", str(tmp_path / "gigatoken-cache"))
+    path = tmp_path / "tokenizer.model"
+    lines = open(llama3_model, "rb").read().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines))
+    assert len(load_tiktoken_bpe(str(path))) == 128000  # tiktoken now holds a copy of it
+    path.write_bytes(b"".join(lines[:1000]))  # another tokenizer at the same path
+    tok = load_tokenizer(f"tiktoken:{path}")
+    assert tok.vocab_size == 1000 + 256 and tok.eod == 1001
+    assert max(tok.encode(SAMPLE)) < 1000  # the new file's ranks
+    assert (tmp_path / "tiktoken-cache").is_dir() and os.environ["TIKTOKEN_CACHE_DIR"].endswith("tiktoken-cache")
+    encoder, why = choose_encoder(tok, "auto", [SAMPLE])
+    assert isinstance(encoder, GigatokenEncoder), why
+    assert encoder.encode_array(SAMPLE).tolist() == tok.encode(SAMPLE)
