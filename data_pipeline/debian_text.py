@@ -2,13 +2,17 @@
 
     python -m data_pipeline.debian_text --corpus kjv jargon --out /tmp/text.jsonl.gz
 
-Corpora (about 57 MB of text in all; `apt-get update` must have run once):
+Corpora (about 105 MB of text in all; `apt-get update` must have run once):
 - kjv: the King James Bible (public domain), one document per chapter, decoded
   by the `bible` program of `bible-kjv` from `bible-kjv-text`'s data;
 - jargon: the Jargon File (public domain), one document per entry;
 - python-doc: Python 3.11's reST documentation sources, one document per page;
 - perl-doc: Perl 5.36's POD manuals, one document per manual;
-- linux-doc: the Linux 6.12 kernel's documentation (.rst and .txt), one document per file.
+- linux-doc: the Linux 6.12 kernel's documentation (.rst and .txt), one document per file;
+- gcide: the GNU Collaborative International Dictionary of English (Webster's 1913 and
+  WordNet), whole entries in documents of ~16,000 characters;
+- git-doc: Git 2.39's manual pages and guides (AsciiDoc sources), one document per file;
+- postgresql-doc: PostgreSQL 15's manual, the text of each HTML page as one document.
 
 Packages are fetched with `apt-get download` and unpacked with `dpkg -x` into a
 cache directory (no root install), so a second call costs nothing.
@@ -102,6 +106,70 @@ def _files_documents(*patterns: str) -> Callable[[str], Iterator[str]]:
     return documents
 
 
+def _gcide_documents(root: str, document_chars: int = 16_000) -> Iterator[str]:
+    """The dictionary's entries (each starts unindented after a blank line), in documents of
+    whole consecutive entries up to ~16,000 characters: ~300-character entries as documents
+    would make a corpus of a kind the others are not (tweets, not pages). The file is
+    Latin-1 in a few places; those bytes become U+FFFD, as in _files_documents."""
+    with gzip.open(os.path.join(root, "usr/share/dictd/gcide.dict.dz")) as f:  # dictzip is gzip
+        text = f.read().decode("utf-8", errors="replace")
+    entries = [entry.strip("\n") for entry in re.split(r"\n\n(?=\S)", text)]
+    entries = [entry for entry in entries if entry and not entry.startswith("00-database")]
+    group: list[str] = []
+    size = 0
+    for entry in entries:
+        if group and size + len(entry) > document_chars:
+            yield "\n\n".join(group)
+            group, size = [], 0
+        group.append(entry)
+        size += len(entry) + 2
+    if group:
+        yield "\n\n".join(group)
+
+
+# Tags whose text is its own line (or lines) in the page as a browser shows it.
+_HTML_BLOCKS = frozenset("address blockquote br dd div dl dt h1 h2 h3 h4 h5 h6 hr li ol p pre table td "
+                         "th title tr ul".split())
+
+
+def _html_documents(pattern: str) -> Callable[[str], Iterator[str]]:
+    """One document per HTML page matching `pattern`: its text (script and style left out),
+    runs of blank lines squeezed."""
+    from html.parser import HTMLParser
+
+    class Text(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__(convert_charrefs=True)
+            self.parts: list[str] = []
+            self._skip = 0
+
+        def handle_starttag(self, tag, attrs) -> None:
+            self._skip += tag in ("script", "style")
+            if tag in _HTML_BLOCKS:
+                self.parts.append("\n")
+
+        def handle_endtag(self, tag) -> None:
+            self._skip -= tag in ("script", "style") and self._skip > 0
+            if tag in _HTML_BLOCKS:
+                self.parts.append("\n")
+
+        def handle_data(self, data: str) -> None:
+            if not self._skip:
+                self.parts.append(data)
+
+    def documents(root: str) -> Iterator[str]:
+        for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
+            parser = Text()
+            with open(path, "rb") as f:
+                parser.feed(f.read().decode("utf-8", errors="replace"))
+            parser.close()
+            lines = (line.rstrip() for line in "".join(parser.parts).splitlines())
+            text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+            if text:
+                yield text
+    return documents
+
+
 CORPORA: dict[str, tuple[list[str], Callable[[str], Iterator[str]]]] = {
     "kjv": (["bible-kjv", "bible-kjv-text"], _kjv_documents),
     "jargon": (["jargon-text"], _jargon_documents),
@@ -111,6 +179,9 @@ CORPORA: dict[str, tuple[list[str], Callable[[str], Iterator[str]]]] = {
     "linux-doc": (["linux-doc-6.12"],
                   _files_documents("usr/share/doc/linux-doc-6.12/Documentation/**/*.rst.gz",
                                    "usr/share/doc/linux-doc-6.12/Documentation/**/*.txt.gz")),
+    "gcide": (["dict-gcide"], _gcide_documents),
+    "git-doc": (["git-doc"], _files_documents("usr/share/doc/git-doc/**/*.txt")),
+    "postgresql-doc": (["postgresql-doc-15"], _html_documents("usr/share/doc/postgresql-doc-15/html/*.html")),
 }
 
 

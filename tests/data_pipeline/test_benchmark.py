@@ -64,3 +64,14 @@ def test_repeated_corpus_is_the_corpus_n_times_and_reused(tmp_path, texts):
     assert open(three, "rb").read() == data * 3 and not os.path.exists(three + ".partial")
     mtime = os.stat(three).st_mtime_ns
     assert repeated(str(corpus), 3) == three and os.stat(three).st_mtime_ns == mtime
+
+
+def test_gigatoken_reading_the_jsonl_itself_counts_the_same_tokens(tmp_path, texts):
+    """The benchmark's f:gigatoken run (gigatoken's own .jsonl reader) against its
+    in-memory run: the same documents, the same ids (short documents: no cuts)."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts[:30])
+    spec = "data_pipeline/assets/demo_sp.model"
+    in_memory = tokenizer_alone(spec, corpus, 1, "gigatoken")
+    from_file = tokenizer_alone(spec, corpus, 1, "jsonl")
+    assert from_file["tokens"] == in_memory["tokens"] > 0
+    assert from_file["text_bytes"] == in_memory["text_bytes"] == sum(len(t.encode()) for t in texts[:30])
