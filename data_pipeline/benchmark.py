@@ -33,7 +33,9 @@ output: tokenizer load, encoder probe, worker start-up included; not the CLI's i
 whose CPU is reported apart with the main and worker CPU of each preprocess run). The probe's
 reference ids come from fast_encoders' cache after a tokenizer's first run, as for users.
 Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.2 s) in one
-extra -j2 run per encoder on the corpus repeated --rss-scale times (0: skip).
+extra -j2 run per encoder on the corpus repeated --rss-scale times (0: skip), and with
+--unique-words MB, on MB of random distinct words, with gigatoken's workers replaced as they
+grow (the default --worker-memory-mb) and never replaced.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ class TreeMemorySampler:
 
 
 def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
-                   sample_memory: bool = False, encoder: str = "auto") -> dict:
+                   sample_memory: bool = False, encoder: str = "auto", extra: tuple[str, ...] = ()) -> dict:
     """One CLI run; timing from its --summary-json, optionally the peak memory of its
     process tree (sampling reads /proc smaps, so timed runs go without it)."""
     prefix = os.path.join(work_dir, f"out-w{workers}")
@@ -174,7 +176,7 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
     summary_path = prefix + ".summary.json"
     command = [sys.executable, "-m", "data_pipeline.preprocess", "-i", corpus, "-o", prefix,
                "-t", spec, "--append-eod", "-j", str(workers), "--no-progress",
-               "--summary-json", summary_path, "--encoder", encoder]
+               "--summary-json", summary_path, "--encoder", encoder, *extra]
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sampler = TreeMemorySampler(proc.pid) if sample_memory else None
@@ -196,6 +198,7 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
             "cpu_seconds": summary["main_cpu_seconds"] + summary["worker_cpu_seconds"],
             "worker_cpu_seconds": summary["worker_cpu_seconds"],
             "main_cpu_seconds": summary["main_cpu_seconds"],
+            "replaced_workers": summary["replaced_workers"],
             # The whole CLI with its workers, imports included (megatron.core's import, for
             # the output writer, is ~3.7 CPU-s of it, the same with either encoder).
             "cli_cpu_seconds": usage.ru_utime + usage.ru_stime}
@@ -220,6 +223,41 @@ def ensure_corpus(work_dir: str, cache_dir: str | None) -> str:
         count, size = debian_text.write_jsonl(available, corpus, cache)
         print(f"corpus: {count:,} documents, {size / 1e6:.1f} MB of text -> {corpus}")
     return corpus
+
+
+def unique_words(work_dir: str, megabytes: int) -> str:
+    """A .jsonl of `megabytes` MB of random 8-letter words (seeded: the same file each time),
+    ~45 kB documents: nearly every word is new, the worst case for a cache of encoded
+    pieces (gigatoken's). Made once, atomically."""
+    import random
+    import string
+
+    path = os.path.join(work_dir, f"unique-words-{megabytes}mb.jsonl")
+    if not os.path.exists(path):
+        rng, size = random.Random(0), 0
+        with open(path + ".partial", "w", encoding="ascii") as out:
+            while size < megabytes * 10**6:
+                text = " ".join("".join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(5000))
+                out.write(json.dumps({"text": text}) + "\n")
+                size += len(text)
+        os.replace(path + ".partial", path)
+    return path
+
+
+def unique_words_memory(spec: str, work_dir: str, megabytes: int) -> dict:
+    """Peak memory of preprocess -j2 --encoder gigatoken on unique_words(megabytes), with the
+    default --worker-memory-mb and with workers never replaced."""
+    from data_pipeline.preprocess import DEFAULT_WORKER_MEMORY_MB
+
+    corpus = unique_words(work_dir, megabytes)
+    runs = {}
+    for label, limit in (("default", DEFAULT_WORKER_MEMORY_MB), ("never replaced", 1 << 30)):
+        run = run_preprocess(spec, corpus, 2, work_dir, sample_memory=True, encoder="gigatoken",
+                             extra=("--worker-memory-mb", str(limit)))
+        runs[label] = {"worker_memory_mb": limit, "peak_mb": run["peak_rss"] / 1e6,
+                       "kernel_max_rss_mb": run["kernel_max_rss"] / 1e6,
+                       "replaced_workers": run["replaced_workers"], "text_mb": run["text_bytes"] / 1e6}
+    return runs
 
 
 def repeated(corpus: str, scale: int) -> str:
@@ -278,7 +316,7 @@ def _medians(values: list[dict]) -> dict:
 
 
 def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir: str | None = None,
-              text_scale: int = 1, keys: list[str] | None = None) -> dict:
+              text_scale: int = 1, keys: list[str] | None = None, unique_mb: int = 0) -> dict:
     """Every run of `keys` (default all of RUNS) `repeats` times, interleaved (a, b, ...,
     a, b, ...): on a shared machine, load drifts over minutes, so no variant gets all
     the quiet (or all the busy) minutes."""
@@ -306,6 +344,8 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir:
         for encoder in ("reference", "gigatoken"):
             run = run_preprocess(spec, big, 2, work_dir, sample_memory=True, encoder=encoder)
             result["rss"][encoder] = {"peak_mb": run["peak_rss"] / 1e6, "text_mb": run["text_bytes"] / 1e6}
+    if unique_mb >= 1:
+        result["unique_words"] = unique_words_memory(spec, work_dir, unique_mb)
     return result
 
 
@@ -354,6 +394,10 @@ def print_report(result: dict) -> None:
             console.print(f"{key}: CPU-s medians: main {row['main_cpu_seconds']:.2f}, workers "
                           f"{row['worker_cpu_seconds']:.2f}, whole CLI with imports {row['cli_cpu_seconds']:.2f}")
     console.print(f"1-minute load average before each repeat: {result['load_average']}")
+    for label, run in result.get("unique_words", {}).items():
+        console.print(f"peak memory, preprocess -j2 --encoder gigatoken on {run['text_mb']:.0f} MB of unique words, "
+                      f"workers {label} (--worker-memory-mb {run['worker_memory_mb']}): {run['peak_mb']:.0f} MB "
+                      f"(largest process {run['kernel_max_rss_mb']:.0f} MB; {run['replaced_workers']} replaced)")
     for encoder, rss in result.get("rss", {}).items():
         console.print(f"peak memory (PSS of the process tree), preprocess -j2 --encoder {encoder}: "
                       f"{rss['peak_mb']:.0f} MB for {rss['text_mb']:.0f} MB of text")
@@ -374,13 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-scale", type=int, default=1,
                         help="time (a)-(c) on the corpus repeated N times: start-up costs "
                              "(~0.25 s) weigh less, as on a real multi-GB input")
+    parser.add_argument("--unique-words", type=int, default=0, metavar="MB",
+                        help="also the peak memory of preprocess -j2 with gigatoken on MB of random "
+                             "distinct words, with and without replacing grown workers (0: skip)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("repeats", "text_scale"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     result = benchmark(args.tokenizer, args.work_dir, args.repeats, args.rss_scale,
-                       args.cache_dir, args.text_scale, args.runs)
+                       args.cache_dir, args.text_scale, args.runs, args.unique_words)
     print_report(result)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -7,7 +7,8 @@
 One output per input instead of one merged output: `--output-dir data/shards`
 (writes data/shards/<input name>.bin/.idx). Other options: --text-field NAME
 (default text), --skip-bad-records, --overwrite, --no-progress, --encoder
-auto|reference|gigatoken (see fast_encoders; same output bytes either way).
+auto|reference|gigatoken (see fast_encoders; same output bytes either way),
+--worker-memory-mb (a worker grown by more is replaced: workers.retire_after).
 
 Streaming: the main process cuts inputs into ~1 MiB chunks, at most 3 per
 worker are in flight, and results are written in input order, so memory does
@@ -38,6 +39,10 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # GB with Llama-3's tiktoken (data_pipeline.benchmark's sampler; README). Longer documents
 # are bad records, so memory per worker stays bounded whatever the input holds.
 DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
+# A worker that grew by more is replaced (workers.retire_after): gigatoken's cache of encoded
+# pieces only grows. Real text grows it slowly (Llama-3's tokenizer: +62 MiB over the 108 MB
+# Debian corpus, levelling off), random distinct words by ~6.5 MB per MB of text.
+DEFAULT_WORKER_MEMORY_MB = 256
 MAX_EXAMPLES = 10  # bad records quoted in the summary
 
 
@@ -66,6 +71,7 @@ class RunSummary:
     # `seconds`, a measure of the work that other jobs on the machine do not inflate.
     main_cpu_seconds: float = 0.0
     worker_cpu_seconds: float = 0.0
+    replaced_workers: int = 0  # workers replaced (or, with -j0, encoders reloaded) for their memory
 
     def total(self, name: str) -> int:
         return sum(getattr(o, name) for o in self.outputs if not o.up_to_date)
@@ -79,6 +85,7 @@ class RunSummary:
         return {**totals, "seconds": self.seconds, "dtype": self.dtype,
                 "main_cpu_seconds": self.main_cpu_seconds,
                 "worker_cpu_seconds": self.worker_cpu_seconds,
+                "replaced_workers": self.replaced_workers,
                 "skipped": dict(self.skipped),
                 "outputs": [{"prefix": o.prefix, "up_to_date": o.up_to_date,
                              "documents": o.documents, "tokens": o.tokens} for o in self.outputs]}
@@ -148,7 +155,8 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
                workers: int | None = None, skip_bad_records: bool = False, overwrite: bool = False,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = False,
                max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, encoder: str = "auto",
-               segments: list | None = None, console=None) -> RunSummary:
+               segments: list | None = None, console=None,
+               worker_memory_mb: int = DEFAULT_WORKER_MEMORY_MB) -> RunSummary:
     """Tokenise `inputs` into indexed dataset(s); see the module docstring.
 
     Every check that can fail fast (inputs, outputs, tokenizer, encoder) runs before
@@ -156,7 +164,8 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     output bytes are the same with either). Raises InputError, OutputError,
     TokenizerLoadError (EncoderUnavailable) or PreprocessError naming the problem.
     `segments` (shares.Segment, indices into the resolved inputs; with output_prefix):
-    tokenise only those records, as one task of preprocess_slurm does.
+    tokenise only those records, as one task of preprocess_slurm does. `worker_memory_mb`:
+    a worker whose memory grew by more is replaced after its chunk (workers.retire_after).
     """
     from rich.console import Console
 
@@ -176,6 +185,8 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         raise PreprocessError(f"--chunk-bytes must be >= 1, got {chunk_bytes}")
     if max_document_bytes < 1:
         raise PreprocessError(f"--max-document-bytes must be >= 1, got {max_document_bytes}")
+    if worker_memory_mb < 1:
+        raise PreprocessError(f"--worker-memory-mb must be >= 1, got {worker_memory_mb}")
     sources = resolve_inputs(inputs)
     jobs = plan_outputs(sources, output_prefix, output_dir)
     if segments is not None:
@@ -208,7 +219,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         encoding, why = choose_encoder(tok, encoder, input_sample(todo[0][1].sources, text_field))
         console.print(why)
         config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
-                              skip_bad_records, max_document_bytes)
+                              skip_bad_records, max_document_bytes, worker_memory_mb << 20)
         n_workers = _available_cpus() if workers is None else workers
         pool = (WorkerPool(config, encoding, n_workers, chunk_bytes=chunk_bytes) if n_workers > 0
                 else InlinePool(config, encoding))
@@ -223,8 +234,11 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
                     done.append(stats[index])
         finally:
             pool.close()
+        replaced = pool.replaced
+    else:
+        replaced = 0
     return RunSummary(stats, time.perf_counter() - start, dtype.__name__,
-                      time.process_time() - cpu_start, _children_cpu() - children_start)
+                      time.process_time() - cpu_start, _children_cpu() - children_start, replaced)
 
 
 def _children_cpu() -> float:
@@ -358,6 +372,9 @@ def print_summary(console, summary: RunSummary) -> None:
                   f"{rates(text, documents, tokens, summary.seconds)} (CPU: "
                   f"{summary.main_cpu_seconds:.1f} s main, {summary.worker_cpu_seconds:.1f} s "
                   "workers)")
+    if summary.replaced_workers:
+        console.print(f"{summary.replaced_workers:,} times a worker outgrew --worker-memory-mb and was "
+                      "replaced (gigatoken's cache of encoded pieces only grows)")
     skipped = summary.skipped
     if skipped:
         kinds = ", ".join(f"{n:,} {kind}" for kind, n in sorted(skipped.items()))
@@ -395,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-document-bytes", type=positive_int, default=DEFAULT_MAX_DOCUMENT_BYTES,
                         help="longer documents are bad records: tokenising one holds it whole, at many times "
                              f"its size in memory (default {DEFAULT_MAX_DOCUMENT_BYTES >> 20} MiB)")
+    parser.add_argument("--worker-memory-mb", type=positive_int, default=DEFAULT_WORKER_MEMORY_MB,
+                        help="replace a worker once its memory has grown by this many MiB (gigatoken "
+                             "caches every piece it encodes; default %(default)s; with -j0 the encoder "
+                             "is reloaded instead)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--summary-json", metavar="PATH",
                         help="also write the summary as JSON (for scripts and benchmarks)")
@@ -419,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers, skip_bad_records=args.skip_bad_records,
             overwrite=args.overwrite, chunk_bytes=args.chunk_bytes,
             max_document_bytes=args.max_document_bytes, progress=not args.no_progress,
-            encoder=args.encoder, console=console)
+            encoder=args.encoder, console=console, worker_memory_mb=args.worker_memory_mb)
         print_summary(console, summary)
         if args.summary_json:
             with open(args.summary_json, "w", encoding="utf-8") as f:

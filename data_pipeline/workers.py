@@ -48,6 +48,9 @@ class WorkerConfig:
     skip_bad_records: bool
     # Longer documents are bad records (see preprocess.DEFAULT_MAX_DOCUMENT_BYTES).
     max_document_bytes: int = 1 << 62
+    # A worker whose resident memory grew by more than this many bytes since it started is
+    # replaced by a fresh one after its chunk (None: never): see `retire_after`.
+    memory_growth_limit: int | None = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ class ChunkResult:
     # The ids are in the chunk's TokenSlots slot (this many), not in `tokens`, until the
     # pool's get() puts a view of the slot there.
     slot_tokens: int | None = None
+    retired_pid: int | None = None  # the worker that made it has left the pool (see retire_after)
 
 
 class TokenSlots:
@@ -152,6 +156,27 @@ def _failing_record(tokenizer, texts: list[str], indices: list[int]) -> tuple[in
     return indices[0], indices[-1], "the tokenizer failed on the chunk, not on one record"
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux), or None where /proc cannot say."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def retire_after(config: WorkerConfig, baseline: int | None) -> bool:
+    """Whether a worker that started at `baseline` resident bytes should now leave the pool.
+    gigatoken keeps every piece it has encoded in a cache that never shrinks (Llama-3's
+    tokenizer: +650 MB over 99 MB of distinct words; data_pipeline.benchmark --unique-words),
+    so on an endless input a worker would grow without bound; its replacement starts from
+    the tokenizer as loaded (forked again: milliseconds). Bounds any other growth too."""
+    if config.memory_growth_limit is None or baseline is None:
+        return False
+    now = resident_bytes()
+    return now is not None and now - baseline > config.memory_growth_limit
+
+
 def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int,
                 slots: TokenSlots | None = None) -> None:
     # Ctrl-C reaches the whole process group; the parent decides and stops us cleanly.
@@ -160,15 +185,21 @@ def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int
     # parent's terminate() must simply end it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent()
+    baseline = resident_bytes()
     while True:
         chunk = get_unless_orphaned(tasks, parent_pid)
         if chunk is None:
             return
         try:
             slot = None if slots is None else slots.view(chunk.seq, config.dtype)
-            results.put(tokenize_chunk(chunk, tokenizer, config, slot))
+            result = tokenize_chunk(chunk, tokenizer, config, slot)
         except Exception:
-            results.put(ChunkResult(chunk.seq, chunk.source, 0, fatal=traceback.format_exc()))
+            result = ChunkResult(chunk.seq, chunk.source, 0, fatal=traceback.format_exc())
+        if retire_after(config, baseline):
+            result.retired_pid = os.getpid()
+        results.put(result)  # flushed before the process exits
+        if result.retired_pid is not None:
+            return
 
 
 class InlinePool:
@@ -181,9 +212,16 @@ class InlinePool:
         self._config = config
         self._tokenizer = tokenizer
         self._done: list[ChunkResult] = []
+        self._baseline = resident_bytes()
+        self.replaced = 0  # times the encoder was reloaded to empty its cache (retire_after)
 
     def submit(self, chunk: Chunk) -> None:
         self._done.append(tokenize_chunk(chunk, self._tokenizer, self._config))
+        reset = getattr(self._tokenizer, "reset_cache", None)
+        if reset is not None and retire_after(self._config, self._baseline):
+            reset()  # no process to replace: the encoder is loaded afresh instead
+            self.replaced += 1
+            self._baseline = resident_bytes()
 
     def get(self) -> ChunkResult:
         return self._done.pop(0)
@@ -219,13 +257,32 @@ class WorkerPool:
                        if method == "fork" else None)
         self._tasks = ctx.Queue()
         self._results = ctx.Queue()
-        self._procs = [
-            ctx.Process(target=worker_main, name=f"preprocess-worker-{i}", daemon=True,
-                        args=(config, tokenizer, self._tasks, self._results, os.getpid(), self._slots))
-            for i in range(workers)
-        ]
+        self._ctx, self._config, self._tokenizer = ctx, config, tokenizer
+        self._procs: list = []
+        self.replaced = 0  # workers that left after growing (retire_after) and were replaced
+        for _ in range(workers):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        proc = self._ctx.Process(
+            target=worker_main, name=f"preprocess-worker-{len(self._procs) + self.replaced}", daemon=True,
+            args=(self._config, self._tokenizer, self._tasks, self._results, os.getpid(), self._slots))
+        proc.start()
+        self._procs.append(proc)
+
+    def _replace(self, pid: int) -> None:
+        """A worker that retired after its last chunk (which the caller has): reap it, start
+        another. It exits right after putting that result, so the join is short."""
         for proc in self._procs:
-            proc.start()
+            if proc.pid == pid:
+                proc.join(timeout=30)
+                if proc.exitcode is None:
+                    proc.terminate()
+                    proc.join(timeout=5)
+                self._procs.remove(proc)
+                break
+        self.replaced += 1
+        self._start_worker()
 
     def submit(self, chunk: Chunk) -> None:
         self._tasks.put(chunk)
@@ -243,6 +300,8 @@ class WorkerPool:
                         "killed, out of memory, or failed to start (its traceback, if any, is "
                         "above; spawned workers cannot start from a script read from stdin)")
                 continue
+            if result.retired_pid is not None:
+                self._replace(result.retired_pid)
             if result.slot_tokens is not None:
                 result.tokens = self._slots.view(result.seq, self._dtype)[:result.slot_tokens]
             return result

@@ -1,0 +1,81 @@
+"""Bounded memory with gigatoken, whose cache of encoded pieces only grows: a worker that
+grew past --worker-memory-mb is replaced after its chunk (with -j0 the encoder is reloaded),
+and the output bytes do not change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data_pipeline.preprocess import preprocess
+from tests.data_pipeline.conftest import write_jsonl
+
+
+def _results(pool, chunks) -> list:
+    """Every chunk through `pool`, at most its max_inflight at a time (as preprocess keeps
+    it: a slot is reused by the chunk max_inflight later), in input order."""
+    results = []
+    for start in range(0, len(chunks), pool.max_inflight):
+        batch = chunks[start:start + pool.max_inflight]
+        for chunk in batch:
+            pool.submit(chunk)
+        for _ in batch:
+            result = pool.get()
+            result.tokens = result.tokens.copy()  # a view of a slot the next chunks reuse
+            results.append(result)
+    return sorted(results, key=lambda r: r.seq)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_every_worker_retiring_after_each_chunk_changes_no_id(tmp_path, texts, start_method):
+    """A growth limit of -1 byte retires every worker after every chunk: each chunk is
+    tokenised by a fresh worker, and the ids are those of an inline run."""
+    from data_pipeline.fast_encoders import GigatokenEncoder
+    from data_pipeline.sources import iter_chunks, resolve_inputs
+    from data_pipeline.tokenizers import load_tokenizer
+    from data_pipeline.workers import InlinePool, WorkerConfig, WorkerPool
+
+    encoder = GigatokenEncoder(load_tokenizer("data_pipeline/assets/demo_sp.model"))
+    # Spawned replacements load the tokenizer afresh (~1 s each): fewer chunks.
+    path = write_jsonl(tmp_path / "a.jsonl", texts[:60] if start_method == "fork" else texts[:12])
+    chunks = list(iter_chunks(resolve_inputs([path]), 4096, "text"))
+    assert len(chunks) > 2
+    config = WorkerConfig("text", "uint16", encoder.reference.eod, False, memory_growth_limit=-1)
+    pool = WorkerPool(config, encoder, 2, max_inflight=3, start_method=start_method, chunk_bytes=4096)
+    try:
+        results = _results(pool, chunks)
+    finally:
+        pool.close()
+    inline_pool = InlinePool(config, encoder)
+    inline = _results(inline_pool, chunks)
+    assert pool.replaced == len(chunks) and all(r.retired_pid is not None for r in results)
+    # Inline, the encoder is reloaded instead (the process may also shrink: not every time).
+    assert inline_pool.replaced > len(chunks) // 2
+    for ours, want in zip(results, inline, strict=True):
+        assert np.array_equal(ours.tokens, want.tokens) and np.array_equal(ours.lengths, want.lengths)
+
+
+def test_workers_grown_by_distinct_words_are_replaced_and_the_bytes_stay(tmp_path, llama3_model):
+    """Real growth: 3 MB of random distinct words grow Llama-3's gigatoken cache by ~20 MB,
+    past small limits, in both workers and with -j0; the output equals an unlimited run's."""
+    from data_pipeline.benchmark import unique_words
+
+    corpus = unique_words(str(tmp_path), 3)
+    spec = "tiktoken:" + llama3_model
+    outputs, replaced = {}, {}
+    for name, workers, limit in (("unlimited", 2, 1 << 20), ("j2", 2, 4), ("j0", 0, 12)):
+        prefix = str(tmp_path / name)
+        summary = preprocess([corpus], tokenizer=spec, output_prefix=prefix, append_eod=True,
+                             workers=workers, encoder="gigatoken", worker_memory_mb=limit,
+                             chunk_bytes=1 << 18)
+        outputs[name] = [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")]
+        replaced[name] = summary.replaced_workers
+    assert replaced["unlimited"] == 0 and replaced["j2"] >= 2 and replaced["j0"] >= 1, replaced
+    assert outputs["j2"] == outputs["unlimited"] == outputs["j0"]
+
+
+def test_the_limit_must_be_positive(tmp_path, corpus):
+    from data_pipeline.preprocess import PreprocessError
+
+    with pytest.raises(PreprocessError, match="--worker-memory-mb must be >= 1"):
+        preprocess([corpus], tokenizer="byte", output_prefix=str(tmp_path / "o"), worker_memory_mb=0)
