@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline.checks import positive_int
-from data_pipeline.preprocess import DEFAULT_MAX_DOCUMENT_BYTES, PreprocessError
+from data_pipeline.preprocess import DEFAULT_MAX_DOCUMENT_BYTES, DEFAULT_WORKER_MEMORY_MB, PreprocessError
 from data_pipeline.sources import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +79,8 @@ def make_plan(args: argparse.Namespace) -> dict:
         "options": {"tokenizer": absolute_spec(args.tokenizer), "text_field": args.text_field,
                     "append_eod": args.append_eod, "skip_bad_records": args.skip_bad_records,
                     "max_document_bytes": args.max_document_bytes, "encoder": args.encoder,
-                    "workers": args.workers if args.workers is not None else args.cpus_per_task},
+                    "workers": args.workers if args.workers is not None else args.cpus_per_task,
+                    "worker_memory_mb": args.worker_memory_mb},
     }
 
 
@@ -118,7 +119,8 @@ def finished_shards(plan: dict, directory: Path) -> list[bool]:
 def _shard_identity(plan: dict, index: int) -> dict:
     inputs, segments = _shard_inputs(plan, index)
     return {"inputs": inputs, "segments": [s.to_json() for s in segments],
-            "options": {k: v for k, v in plan["options"].items() if k not in ("workers", "encoder")}}
+            "options": {k: v for k, v in plan["options"].items()
+                        if k not in ("workers", "encoder", "worker_memory_mb")}}  # none changes the bytes
 
 
 # ---------------------------------------------------------------- scripts and submission
@@ -231,7 +233,9 @@ def run_task(plan_path: str, index: int) -> int:
                          text_field=options["text_field"], append_eod=options["append_eod"],
                          workers=options["workers"], skip_bad_records=options["skip_bad_records"],
                          overwrite=True, max_document_bytes=options["max_document_bytes"],
-                         encoder=options["encoder"], segments=segments)
+                         encoder=options["encoder"], segments=segments,
+                         # plans written before the option existed: its default
+                         worker_memory_mb=options.get("worker_memory_mb", DEFAULT_WORKER_MEMORY_MB))
     _stamp_shard(prefix, _shard_identity(plan, index))
     from rich.console import Console
 
@@ -305,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-records", action="store_true")
     p.add_argument("--max-document-bytes", type=positive_int, default=DEFAULT_MAX_DOCUMENT_BYTES)
     p.add_argument("--encoder", choices=("auto", "reference", "gigatoken"), default="auto")
+    p.add_argument("--worker-memory-mb", type=positive_int, default=DEFAULT_WORKER_MEMORY_MB,
+                   help="as for data_pipeline.preprocess: a worker grown by more is replaced")
     p.add_argument("--workers", type=nonnegative_int, default=None,
                    help="tokenising processes per task (default: --cpus-per-task)")
     p.add_argument("--cpus-per-task", type=positive_int, default=1)
