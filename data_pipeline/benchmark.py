@@ -82,10 +82,11 @@ def _encode_worker(spec: str, corpus: str, barrier, results, encoder: str = "ref
             batches.append([])
             size = 0
     if encoder != "reference":
-        import awkward  # noqa: F401  (encode_files returns an awkward array)
+        from data_pipeline.fast_encoders import GigatokenEncoder
 
         tokenizer = load_tokenizer(spec)
-        from data_pipeline.fast_encoders import GigatokenEncoder
+    if encoder == "jsonl":
+        import awkward  # encode_files returns an awkward array; its import is not timed
     barrier.wait()
     start, cpu = time.perf_counter(), time.process_time()
     if encoder == "reference":
@@ -331,8 +332,10 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir:
             runs[key].append(_one_run(key, spec, corpus, work_dir))
         print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
             f"{k} {_rate(v[-1])[0]:.2f} MB/s" for k, v in runs.items()), flush=True)
+    what, _, count, _, _ = RUNS[keys[0]]
+    processes = count if what == "alone" else 1  # an "alone" run counts each process's text
     result = {"tokenizer": spec, "corpus": corpus, "repeats": repeats, "cpus": os.cpu_count(),
-              "text_mb": runs[keys[0]][0]["text_bytes"] / 1e6 / (RUNS[keys[0]][2] if RUNS[keys[0]][0] == "alone" else 1),
+              "text_mb": runs[keys[0]][0]["text_bytes"] / 1e6 / processes,
               "load_average": load, "runs": {key: _medians(values) for key, values in runs.items()}}
     for key in keys:
         if RUNS[key][0] == "alone":
