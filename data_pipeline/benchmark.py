@@ -30,8 +30,11 @@ It reports MB/s (10^6 bytes of UTF-8 text) and tokens/s, medians over --repeats,
 text per CPU-second over all processes of a run, which other jobs on the machine skew
 least. Preprocess runs are timed inside preprocess (from argument checks to the committed
 output: tokenizer load, encoder probe, worker start-up included; not the CLI's imports,
-whose CPU is reported apart with the main and worker CPU of each preprocess run). The probe's
-reference ids come from fast_encoders' cache after a tokenizer's first run, as for users.
+whose CPU is reported apart with the main and worker CPU of each preprocess run), and the
+same rate after start-up: without the CPU spent before the first document (alone: the load;
+preprocess: checks, loads, the probe, worker start), the rate a multi-TB input settles at.
+The probe's reference ids come from fast_encoders' cache after a tokenizer's first run, as
+for users.
 Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.2 s) in one
 extra -j2 run per encoder on the corpus repeated --rss-scale times (0: skip), and with
 --unique-words MB, on MB of random distinct words, with gigatoken's workers replaced as they
@@ -91,11 +94,11 @@ def _encode_worker(spec: str, corpus: str, barrier, results, encoder: str = "ref
     start, cpu = time.perf_counter(), time.process_time()
     if encoder == "reference":
         tokenizer = load_tokenizer(spec)
-        loaded = time.perf_counter()
+        loaded, loaded_cpu = time.perf_counter(), time.process_time()
         tokens = sum(len(tokenizer.encode_array(text)) for text in texts)
     else:
         fast = GigatokenEncoder(tokenizer)
-        loaded = time.perf_counter()
+        loaded, loaded_cpu = time.perf_counter(), time.process_time()
         if encoder == "jsonl":
             import gigatoken
 
@@ -106,7 +109,7 @@ def _encode_worker(spec: str, corpus: str, barrier, results, encoder: str = "ref
         else:
             tokens = sum(len(fast.encode_documents(b)[0]) for b in batches)
     results.put((start, time.perf_counter(), text_bytes, tokens, time.process_time() - cpu,
-                 loaded - start))
+                 loaded - start, loaded_cpu - cpu))
 
 
 def tokenizer_alone(spec: str, corpus: str, processes: int, encoder: str = "reference",
@@ -124,7 +127,7 @@ def tokenizer_alone(spec: str, corpus: str, processes: int, encoder: str = "refe
     seconds = max(r[1] for r in runs) - min(r[0] for r in runs)
     return {"seconds": seconds, "text_bytes": sum(r[2] for r in runs),
             "tokens": sum(r[3] for r in runs), "cpu_seconds": sum(r[4] for r in runs),
-            "load_seconds": max(r[5] for r in runs)}
+            "load_seconds": max(r[5] for r in runs), "startup_cpu_seconds": sum(r[6] for r in runs)}
 
 
 class TreeMemorySampler:
@@ -199,6 +202,7 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
             "cpu_seconds": summary["main_cpu_seconds"] + summary["worker_cpu_seconds"],
             "worker_cpu_seconds": summary["worker_cpu_seconds"],
             "main_cpu_seconds": summary["main_cpu_seconds"],
+            "startup_cpu_seconds": summary["startup_cpu_seconds"],
             "replaced_workers": summary["replaced_workers"],
             # The whole CLI with its workers, imports included (megatron.core's import, for
             # the output writer, is ~3.7 CPU-s of it, the same with either encoder).
@@ -311,6 +315,11 @@ def _medians(values: list[dict]) -> dict:
             # MB of text per CPU-second, all processes of the run together: what other
             # jobs on a shared machine skew least
             "mb_per_cpu_s": statistics.median(v["text_bytes"] / v["cpu_seconds"] / 1e6 for v in values),
+            # the same without the CPU spent before the first document (loads, probes): the
+            # rate a run settles at, which is what a multi-TB input sees
+            "mb_per_stream_cpu_s": statistics.median(
+                v["text_bytes"] / (v["cpu_seconds"] - v["startup_cpu_seconds"]) / 1e6 for v in values),
+            "startup_cpu_seconds": statistics.median(v["startup_cpu_seconds"] for v in values),
             "seconds": statistics.median(v["seconds"] for v in values),
             **{key: statistics.median(v[key] for v in values)
                for key in ("main_cpu_seconds", "worker_cpu_seconds", "cli_cpu_seconds") if key in values[0]}}
@@ -374,6 +383,7 @@ def _ratios(runs: dict) -> dict:
         if top in runs and bottom in runs:
             ratios[name] = runs[top]["mb_s"] / runs[bottom]["mb_s"]
             ratios[f"{name}_cpu"] = runs[top]["mb_per_cpu_s"] / runs[bottom]["mb_per_cpu_s"]
+            ratios[f"{name}_stream_cpu"] = runs[top]["mb_per_stream_cpu_s"] / runs[bottom]["mb_per_stream_cpu_s"]
     return ratios
 
 
@@ -383,12 +393,16 @@ def print_report(result: dict) -> None:
 
     table = Table(title=f"{result['tokenizer']} on {result['text_mb']:.1f} MB of text, "
                         f"medians of {result['repeats']} interleaved runs")
-    for column in ("run", "MB/s", "tokens/s", "runs (MB/s)", "MB/CPU-s"):
+    for column in ("run", "MB/s", "tokens/s", "runs (MB/s)", "MB/CPU-s", "start-up CPU-s",
+                   "MB/CPU-s after"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for key, row in result["runs"].items():
         table.add_row(RUNS[key][4], f"{row['mb_s']:.2f}", f"{row['tok_s']:,.0f}",
-                      " ".join(f"{x:.2f}" for x in row["all_mb_s"]), f"{row['mb_per_cpu_s']:.2f}")
+                      " ".join(f"{x:.2f}" for x in row["all_mb_s"]), f"{row['mb_per_cpu_s']:.2f}",
+                      f"{row['startup_cpu_seconds']:.2f}", f"{row['mb_per_stream_cpu_s']:.2f}")
     console = Console()
+    if not console.is_terminal:  # a log file: rows on one line each, not wrapped at 80 columns
+        console = Console(width=160)
     console.print(table)
     for name, value in result["ratios"].items():
         console.print(f"{name}: {value:.2f}")

@@ -72,6 +72,9 @@ class RunSummary:
     main_cpu_seconds: float = 0.0
     worker_cpu_seconds: float = 0.0
     replaced_workers: int = 0  # workers replaced (or, with -j0, encoders reloaded) for their memory
+    # CPU seconds of this process before the first chunk (checks, tokenizer and encoder
+    # loads, the encoder probe, starting workers): the part that does not grow with the input.
+    startup_cpu_seconds: float = 0.0
 
     def total(self, name: str) -> int:
         return sum(getattr(o, name) for o in self.outputs if not o.up_to_date)
@@ -86,6 +89,7 @@ class RunSummary:
                 "main_cpu_seconds": self.main_cpu_seconds,
                 "worker_cpu_seconds": self.worker_cpu_seconds,
                 "replaced_workers": self.replaced_workers,
+                "startup_cpu_seconds": self.startup_cpu_seconds,
                 "skipped": dict(self.skipped),
                 "outputs": [{"prefix": o.prefix, "up_to_date": o.up_to_date,
                              "documents": o.documents, "tokens": o.tokens} for o in self.outputs]}
@@ -223,6 +227,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         n_workers = _available_cpus() if workers is None else workers
         pool = (WorkerPool(config, encoding, n_workers, chunk_bytes=chunk_bytes) if n_workers > 0
                 else InlinePool(config, encoding))
+        startup_cpu = time.process_time() - cpu_start
         try:
             with byte_progress(console, progress) as bar:
                 total = sum(s.size for _, job, _ in todo for s in job.sources)
@@ -236,9 +241,10 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
             pool.close()
         replaced = pool.replaced
     else:
-        replaced = 0
+        replaced, startup_cpu = 0, time.process_time() - cpu_start
     return RunSummary(stats, time.perf_counter() - start, dtype.__name__,
-                      time.process_time() - cpu_start, _children_cpu() - children_start, replaced)
+                      time.process_time() - cpu_start, _children_cpu() - children_start, replaced,
+                      startup_cpu)
 
 
 def _children_cpu() -> float:

@@ -18,6 +18,8 @@ def test_tokenizer_alone_counts_every_byte_and_token(tmp_path, texts):
     size = sum(len(t.encode()) for t in texts[:20])
     assert one["text_bytes"] == one["tokens"] == size  # byte tokenizer: one id per byte
     assert two["text_bytes"] == 2 * size and two["seconds"] > 0 and two["cpu_seconds"] > 0
+    # The load is part of the CPU the run counts, never more than it.
+    assert 0 <= one["startup_cpu_seconds"] <= one["cpu_seconds"]
 
 
 def _sampled_peak(allocate_mb: int) -> float:
@@ -46,6 +48,8 @@ def test_run_preprocess_reports_time_cpu_and_memory(tmp_path, texts):
     assert run["text_bytes"] == sum(len(t.encode()) for t in texts[:50])
     assert 0 < run["seconds"] < run["cli_wall_seconds"]
     assert run["cpu_seconds"] > run["worker_cpu_seconds"] > 0
+    # Start-up (checks, load, worker start) is the main process's, before any document.
+    assert 0 < run["startup_cpu_seconds"] < run["main_cpu_seconds"]
     # The sampled peak of the tree (PSS of the CLI + its forked worker) against the kernel's
     # own count of the largest process (ru_maxrss from wait4, RSS: shared library pages in
     # full). At most the two processes' worth; at least a third of it: PSS splits the pages
