@@ -206,7 +206,7 @@ def return_freed_memory() -> bool:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim; False where
     there is none). Loading a tokenizer.json into gigatoken frees its parse buffers but
     glibc keeps the pages: Llama-3's load leaves the process 117 MB larger, 71 MB after the
-    trim, and forked workers would inherit the difference (README, "Peak memory")."""
+    trim, and forked workers would inherit the difference (README: preprocess's peak memory)."""
     import ctypes
 
     try:
