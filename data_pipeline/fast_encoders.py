@@ -151,17 +151,22 @@ class GigatokenEncoder:
     name = "gigatoken"
 
     def __init__(self, reference: Tokenizer, tokenizer_json: str | None = None) -> None:
-        import gigatoken
-
         self.reference = reference
         self._json = tokenizer_json if tokenizer_json is not None else gigatoken_json(reference)
+        self._load()
+
+    def _load(self) -> None:
+        """gigatoken's tokenizer from self._json, its load's freed buffers handed back."""
+        import gigatoken
+
+        self._tok = None  # a reload frees the old tables and cache before building new ones
         try:
             self._tok = gigatoken.Tokenizer.from_json(self._json)
         except BaseException as err:  # a Rust panic arrives as pyo3's PanicException(BaseException)
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
             first_line = (str(err).strip().splitlines() or [""])[0]  # Rust adds its source location
-            raise EncoderUnavailable(f"gigatoken failed to load {reference.spec!r}: "
+            raise EncoderUnavailable(f"gigatoken failed to load {self.reference.spec!r}: "
                                      f"{type(err).__name__}: {first_line}") from None
         return_freed_memory()
 
@@ -188,11 +193,7 @@ class GigatokenEncoder:
     def reset_cache(self) -> None:
         """Empty gigatoken's cache of encoded pieces, which only grows (workers.retire_after),
         by loading the tokenizer afresh (0.7 CPU-s for Llama-3's, less for smaller ones)."""
-        import gigatoken
-
-        self._tok = None  # the old tables and cache are freed before the new ones are built
-        self._tok = gigatoken.Tokenizer.from_json(self._json)
-        return_freed_memory()
+        self._load()
 
     # Spawned workers rebuild it from the converted tokenizer.json (no second conversion).
     def __getstate__(self) -> dict:
