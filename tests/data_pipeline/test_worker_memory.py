@@ -88,17 +88,14 @@ def test_freed_heap_pages_go_back_to_the_system():
     import sys
 
     script = """
-import sys
 from data_pipeline.fast_encoders import return_freed_memory
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+from data_pipeline.workers import resident_bytes
 blocks = [bytes(4000) for _ in range(24_000)]  # malloc'd (> 512 bytes), below mmap's threshold
 pin = bytes(4000)  # keeps the heap's top in use, so free() alone cannot shrink it
 del blocks
-before = resident()
+before = resident_bytes()
 trimmed = return_freed_memory()
-print(trimmed, before - resident())
+print(trimmed, before - resident_bytes())
 """
     if not sys.platform.startswith("linux"):
         pytest.skip("malloc_trim is glibc's")
