@@ -146,6 +146,41 @@ def test_load_errors_name_the_problem(tmp_path):
         load_tokenizer("tiktoken:" + str(ranks))
 
 
+def test_tiktoken_ranks_come_back_from_their_cache_exactly(llama3_model, tmp_path, monkeypatch):
+    """The decoded ranks are kept by the file's content: the second load reads them back
+    (tiktoken's decoder is not called), equal and in order; an entry that is not whole is
+    decoded afresh; another file gets its own entry."""
+    from tiktoken.load import load_tiktoken_bpe
+
+    from data_pipeline import tokenizers
+
+    monkeypatch.setattr(tokenizers, "RANKS_CACHE_DIR", str(tmp_path / "ranks"))
+    calls = []
+
+    def counted(path):
+        calls.append(path)
+        return load_tiktoken_bpe(path)
+
+    want = load_tiktoken_bpe(llama3_model)
+    first = tokenizers._tiktoken_ranks(llama3_model, counted)
+    again = tokenizers._tiktoken_ranks(llama3_model, counted)
+    assert len(calls) == 1 and list(first.items()) == list(again.items()) == list(want.items())
+    (entry,) = (tmp_path / "ranks").iterdir()
+    assert entry.name.endswith(".npz") and [p.name for p in (tmp_path / "ranks").iterdir()] == [entry.name]
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # not whole
+    assert tokenizers._tiktoken_ranks(llama3_model, counted) == want and len(calls) == 2
+    assert tokenizers._tiktoken_ranks(llama3_model, counted) == want and len(calls) == 2  # rewritten
+    other = tmp_path / "other.model"
+    other.write_bytes(b"".join(open(llama3_model, "rb").read().splitlines(keepends=True)[:1000]))
+    assert len(tokenizers._tiktoken_ranks(str(other), counted)) == 1000 and len(calls) == 3
+    assert len(list((tmp_path / "ranks").iterdir())) == 2
+    import tiktoken
+
+    fresh = tiktoken.Encoding("fresh", pat_str=tokenizers.LLAMA3_PATTERN, mergeable_ranks=want, special_tokens={})
+    tok = load_tokenizer(f"tiktoken:{llama3_model}")  # its ranks from the cache: the same ids
+    assert tok.encode(SAMPLE + " <|begin_of_text|>") == fresh.encode(SAMPLE + " <|begin_of_text|>")
+
+
 def test_a_tiktoken_file_replaced_at_the_same_path_is_read_anew(llama3_model, tmp_path, monkeypatch):
     """tiktoken keeps a copy of every file it reads under the hash of its path and reads the
     copy next time: a replaced tokenizer file must still be read as the new one (the one
@@ -157,6 +192,7 @@ def test_a_tiktoken_file_replaced_at_the_same_path_is_read_anew(llama3_model, tm
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
     monkeypatch.setenv("GIGATOKEN_JSON_CACHE", str(tmp_path / "gigatoken-cache"))
     monkeypatch.setattr("data_pipeline.fast_encoders.CACHE_DIR", str(tmp_path / "gigatoken-cache"))
+    monkeypatch.setattr("data_pipeline.tokenizers.RANKS_CACHE_DIR", str(tmp_path / "ranks-cache"))
     path = tmp_path / "tokenizer.model"
     lines = open(llama3_model, "rb").read().splitlines(keepends=True)
     path.write_bytes(b"".join(lines))
