@@ -23,8 +23,10 @@ is shared, and load drifts over minutes):
   f:gigatoken   gigatoken reading the .jsonl itself (its encode_files, 1 thread): what its
                 own Rust JSON reader costs on top of the encoding, for comparison (without
                 the reference's cuts of long documents, so not always the same ids);
-  b:ENCODER     `python -m data_pipeline.preprocess --workers 1 --encoder ENCODER`;
-  b0:ENCODER    the same with --workers 0 (everything in one process);
+  b:ENCODER     `python -m data_pipeline.preprocess --workers 1 --encoder ENCODER` (one
+                process: preprocess.IN_PROCESS_WORKERS);
+  b1:ENCODER    the same with one worker process beside the main process, as -j1 ran
+                before IN_PROCESS_WORKERS (the measurement behind it);
   c:ENCODER     the same with --workers 2.
 It reports MB/s (10^6 bytes of UTF-8 text) and tokens/s, medians over --repeats, and MB of
 text per CPU-second over all processes of a run, which other jobs on the machine skew
@@ -174,11 +176,16 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
     """One CLI run; timing from its --summary-json, optionally the peak memory of its
     process tree (sampling reads /proc smaps, so timed runs go without it)."""
     prefix = os.path.join(work_dir, f"out-w{workers}")
+    cli = ["-m", "data_pipeline.preprocess"]
+    if workers == ONE_WORKER_PROCESS:  # -j1 as a worker process, as before IN_PROCESS_WORKERS
+        cli = ["-c", "import sys, data_pipeline.preprocess as p; p.IN_PROCESS_WORKERS = 0; "
+                     "sys.exit(p.main(sys.argv[1:]))"]
+        workers = 1
     for ext in (".bin", ".idx", ".meta.json"):
         if os.path.exists(prefix + ext):
             os.unlink(prefix + ext)
     summary_path = prefix + ".summary.json"
-    command = [sys.executable, "-m", "data_pipeline.preprocess", "-i", corpus, "-o", prefix,
+    command = [sys.executable, *cli, "-i", corpus, "-o", prefix,
                "-t", spec, "--append-eod", "-j", str(workers), "--no-progress",
                "--summary-json", summary_path, "--encoder", encoder, *extra]
     started = time.perf_counter()
@@ -284,6 +291,7 @@ def _rate(run: dict) -> tuple[float, float]:
     return run["text_bytes"] / run["seconds"] / 1e6, run["tokens"] / run["seconds"]
 
 
+ONE_WORKER_PROCESS = -1  # RUNS' workers for b1: -j1 with a worker process beside the main one
 # key: (what, encoder, processes or workers, threads, description)
 RUNS = {
     "a:reference": ("alone", "reference", 1, 1, "reference tokenizer alone, 1 process"),
@@ -293,8 +301,8 @@ RUNS = {
     "t2:gigatoken": ("alone", "gigatoken", 1, 2, "gigatoken alone, 1 process, 2 threads"),
     "b:reference": ("preprocess", "reference", 1, 1, "preprocess -j1 --encoder reference"),
     "b:gigatoken": ("preprocess", "gigatoken", 1, 1, "preprocess -j1 --encoder gigatoken"),
-    "b0:reference": ("preprocess", "reference", 0, 1, "preprocess -j0 --encoder reference"),
-    "b0:gigatoken": ("preprocess", "gigatoken", 0, 1, "preprocess -j0 --encoder gigatoken"),
+    "b1:reference": ("preprocess", "reference", ONE_WORKER_PROCESS, 1, "preprocess -j1 as a worker process, reference"),
+    "b1:gigatoken": ("preprocess", "gigatoken", ONE_WORKER_PROCESS, 1, "preprocess -j1 as a worker process, gigatoken"),
     "c:reference": ("preprocess", "reference", 2, 1, "preprocess -j2 --encoder reference"),
     "c:gigatoken": ("preprocess", "gigatoken", 2, 1, "preprocess -j2 --encoder gigatoken"),
 }
@@ -367,10 +375,11 @@ def _ratios(runs: dict) -> dict:
     wanted = {
         # >= 4x: preprocess per core with gigatoken vs today's (the reference)
         "per_core_speedup": ("b:gigatoken", "b:reference"),
-        "per_core_speedup_j0": ("b0:gigatoken", "b0:reference"),
         # >= 85%: preprocess vs gigatoken alone
         "b_over_a_gigatoken": ("b:gigatoken", "a:gigatoken"),
-        "b0_over_a_gigatoken": ("b0:gigatoken", "a:gigatoken"),
+        "b1_over_a_gigatoken": ("b1:gigatoken", "a:gigatoken"),
+        # in the main process against one worker process (preprocess.IN_PROCESS_WORKERS)
+        "b_over_b1_gigatoken": ("b:gigatoken", "b1:gigatoken"),
         "b_over_a_reference": ("b:reference", "a:reference"),
         "c_over_a2_gigatoken": ("c:gigatoken", "a2:gigatoken"),
         # preprocess against gigatoken's own .jsonl reader, and that reader against its encode

@@ -7,8 +7,9 @@ its spec (~0.5 s). Either way they die with their parent, so a SIGKILLed
 preprocess leaves no orphan burning CPU.
 
 Worker model: `--workers N` is N processes, each encoding on one thread, with
-either encoder. gigatoken could instead spread one process's batches over Rust
-threads, but the JSON parsing and the checks of every record are Python and
+either encoder, for N >= 2; with 0 or 1 the main process encodes (InlinePool: see
+preprocess.IN_PROCESS_WORKERS for why not one worker process). gigatoken could
+instead spread one process's batches over Rust threads, but the JSON parsing and the checks of every record are Python and
 would stay on one core in that process; as processes they scale with the rest.
 gigatoken encodes one document per call, on the calling thread, so its thread pool
 never starts (and a fork cannot inherit a pool without its threads). The benchmark measures both
@@ -203,7 +204,7 @@ def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int
 
 
 class InlinePool:
-    """The WorkerPool interface without processes (workers=0): tokenises in the caller.
+    """The WorkerPool interface without processes (--workers 0 or 1): tokenises in the caller.
     For small corpora, debugging, and callers that should not spawn (training ranks)."""
 
     max_inflight = 1

@@ -27,11 +27,11 @@ def looks_valid(prefix: str) -> bool:
 
 @pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_gives_identical_bytes(tmp_path):
-    corpus = write_jsonl(tmp_path / "kjv.jsonl", kjv_texts())  # 4.3 MB: ~2 s of work, 1 worker
+    corpus = write_jsonl(tmp_path / "kjv.jsonl", kjv_texts())  # 4.3 MB: ~1 s of work, 2 workers
     (tmp_path / "out").mkdir()
     prefix = str(tmp_path / "out" / "kjv")
     command = ["-i", corpus, "-o", prefix,
-               "-t", DEMO, "--append-eod", "-j", "1", "--chunk-bytes", "65536", "--no-progress"]
+               "-t", DEMO, "--append-eod", "-j", "2", "--chunk-bytes", "65536", "--no-progress"]
     proc = ModuleProcess("data_pipeline.preprocess", command)  # forked, its imports done
     partial = prefix + ".bin.partial"
     deadline = time.time() + 120

@@ -70,7 +70,7 @@ def test_skip_bad_records_counts_and_reports(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     summary = preprocess([str(path)], tokenizer="byte", output_prefix=str(tmp_path / "x"),
-                         workers=1, skip_bad_records=True)
+                         workers=2, skip_bad_records=True)  # found by worker processes
     expected = {}
     for _, kind, _ in BAD_LINES.values():
         expected[kind] = expected.get(kind, 0) + 1
@@ -199,7 +199,7 @@ def test_tokenizer_failure_names_the_record(tmp_path, monkeypatch):
     path = bad_file(tmp_path, json.dumps({"text": "boom"}).encode())
     with pytest.raises(PreprocessError, match=r"input.jsonl: line 3: the tokenizer failed: "
                                               r"ValueError: cannot encode this"):
-        preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=1)
+        preprocess([path], tokenizer="byte", output_prefix=str(tmp_path / "x"), workers=2)
     assert output_files(tmp_path) == ["input.jsonl"]
 
 

@@ -50,6 +50,24 @@ def test_bytes_independent_of_format_workers_and_chunking(tmp_path, corpus, text
         assert same_bytes(str(tmp_path / "inline"), str(tmp_path / name)), name
 
 
+def test_one_worker_tokenises_in_this_process(tmp_path, corpus, monkeypatch):
+    """--workers 1 starts no worker process (preprocess.IN_PROCESS_WORKERS); 2 do."""
+    from data_pipeline import workers
+
+    started = []
+    real = workers.WorkerPool
+
+    def counted(config, tokenizer, count, **kwargs):
+        started.append(count)
+        return real(config, tokenizer, count, **kwargs)
+
+    monkeypatch.setattr(workers, "WorkerPool", counted)
+    for count in (1, 2):
+        summary = preprocess([corpus], tokenizer=DEMO, output_prefix=str(tmp_path / f"j{count}"), workers=count)
+        assert (summary.worker_cpu_seconds > 0) == (count == 2)
+    assert started == [2] and same_bytes(str(tmp_path / "j1"), str(tmp_path / "j2"))
+
+
 def test_llama3_vocabulary_needs_int32(tmp_path, corpus, texts, llama3_model):
     spec = "tiktoken:" + llama3_model
     preprocess([corpus], tokenizer=spec, output_prefix=str(tmp_path / "l3"), workers=1)
