@@ -181,7 +181,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     """
     from rich.console import Console
 
-    from data_pipeline.fast_encoders import ENCODERS, choose_encoder, input_sample
+    from data_pipeline.fast_encoders import ENCODERS, choose_encoder, input_sample, return_freed_memory
     from data_pipeline.indexed_writer import output_exists, read_manifest, token_dtype
     from data_pipeline.progress import byte_progress
     from data_pipeline.workers import InlinePool, WorkerConfig, WorkerPool
@@ -230,6 +230,9 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         # Compared on the first input's first 256 KiB too; logged, since it decides the speed.
         encoding, why = choose_encoder(tok, encoder, input_sample(todo[0][1].sources, text_field))
         console.print(why)
+        if encoding is not tok:  # before workers fork: they would share its tables for nothing
+            tok.release_tables()
+            return_freed_memory()
         config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
                               skip_bad_records, max_document_bytes, worker_memory_mb << 20)
         n_workers = _available_cpus() if workers is None else workers

@@ -147,6 +147,10 @@ class Tokenizer(ABC):
                 digest.update(block)
         return digest.hexdigest()
 
+    def release_tables(self) -> None:
+        """Free what only encode/decode need, where another encoder does the encoding
+        (preprocess with gigatoken); they load it again if called. Most hold nothing worth it."""
+
     def describe(self) -> str:
         return (f"{self.kind} tokenizer {self.spec!r}: vocab {self.vocab_size}, "
                 f"bos {self.bos}, eod {self.eod}, pad {self.pad_id}")
@@ -286,25 +290,42 @@ class TiktokenTokenizer(Tokenizer):
 
     def __init__(self, spec: str) -> None:
         super().__init__(spec)
+        self._enc = self._load()
+        self._vocab_size = self._enc.n_vocab
+
+    def _load(self):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 
-        path = spec[len(TIKTOKEN_PREFIX):]
+        path = self.spec[len(TIKTOKEN_PREFIX):]
         try:
-            ranks = _tiktoken_ranks(path, load_tiktoken_bpe)
+            ranks, digest = _tiktoken_ranks(path, load_tiktoken_bpe)
         except TokenizerLoadError:
             raise
         except Exception as err:  # binascii/ValueError on a file of another format
             raise TokenizerLoadError(f"{path!r} is not a tiktoken BPE rank file ({err}); each line "
                                      "must be '<base64 token> <rank>'") from err
-        specials = {tok: len(ranks) + i for i, tok in enumerate(LLAMA3_SPECIALS)}
-        self._enc = tiktoken.Encoding(os.path.basename(path), pat_str=LLAMA3_PATTERN,
-                                      mergeable_ranks=ranks, special_tokens=specials)
-        self._specials = specials
+        if getattr(self, "_digest", digest) != digest:  # a reload (release_tables) of a replaced file
+            raise TokenizerLoadError(f"{path!r} changed since it was loaded; load the tokenizer again")
+        self._digest = digest
+        self._specials = {tok: len(ranks) + i for i, tok in enumerate(LLAMA3_SPECIALS)}
+        return tiktoken.Encoding(os.path.basename(path), pat_str=LLAMA3_PATTERN,
+                                 mergeable_ranks=ranks, special_tokens=self._specials)
+
+    def release_tables(self) -> None:
+        """Free tiktoken's tables: 48 of the 55 MB Llama-3's reference holds, which every
+        forked preprocess worker would share for nothing once gigatoken encodes (cutting,
+        special ids and vocab_size need none of them). encode/decode load them again."""
+        self._enc = None
+
+    def _encoding(self):
+        if self._enc is None:
+            self._enc = self._load()
+        return self._enc
 
     @property
     def vocab_size(self) -> int:
-        return self._enc.n_vocab
+        return self._vocab_size
 
     @property
     def bos(self) -> int | None:
@@ -341,17 +362,18 @@ class TiktokenTokenizer(Tokenizer):
 
     def encode_array(self, text: str) -> np.ndarray:
         # Special-token strings inside documents are encoded as plain text, never as control ids.
-        arrays = [self._enc.encode_to_numpy(piece, allowed_special=set(), disallowed_special=())
+        enc = self._encoding()
+        arrays = [enc.encode_to_numpy(piece, allowed_special=set(), disallowed_special=())
                   for piece in self.pieces(text)]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
     def decode(self, ids) -> str:
-        return self._enc.decode([int(i) for i in ids])
+        return self._encoding().decode([int(i) for i in ids])
 
 
-def _tiktoken_ranks(path: str, load) -> dict[bytes, int]:
-    """load(path) (tiktoken's load_tiktoken_bpe), or the same ranks from the copy an earlier
-    load left under RANKS_CACHE_DIR: decoding Llama-3's 128,000 base64 ranks takes 0.21 CPU-s,
+def _tiktoken_ranks(path: str, load) -> tuple[dict[bytes, int], str]:
+    """(ranks, the file's SHA-256): the ranks from load(path) (tiktoken's load_tiktoken_bpe),
+    or the same from the copy an earlier load left under RANKS_CACHE_DIR: decoding Llama-3's 128,000 base64 ranks takes 0.21 CPU-s,
     more than half of the reference's load, which every preprocess run pays for its exactness
     check; the copy reads back in ~0.06. It is named by the file's SHA-256 and tiktoken's
     version and holds the ranks' bytes end to end, their lengths and the ranks (an .npz, whose
@@ -368,7 +390,7 @@ def _tiktoken_ranks(path: str, load) -> dict[bytes, int]:
         ends = np.cumsum(lengths).tolist()
         if lengths.ndim == 1 and ranks.shape == lengths.shape and ends and ends[-1] == len(blob):
             return {blob[end - size:end]: rank
-                    for end, size, rank in zip(ends, lengths.tolist(), ranks.tolist())}
+                    for end, size, rank in zip(ends, lengths.tolist(), ranks.tolist())}, digest
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # missing, or not whole
         pass
     with tiktoken_reads_files_afresh(path):
@@ -388,7 +410,7 @@ def _tiktoken_ranks(path: str, load) -> dict[bytes, int]:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    return ranks
+    return ranks, digest
 
 
 @contextmanager

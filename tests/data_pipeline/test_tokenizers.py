@@ -3,6 +3,7 @@ pickles, and fails to load with a message that names the fix."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -162,23 +163,39 @@ def test_tiktoken_ranks_come_back_from_their_cache_exactly(llama3_model, tmp_pat
         return load_tiktoken_bpe(path)
 
     want = load_tiktoken_bpe(llama3_model)
-    first = tokenizers._tiktoken_ranks(llama3_model, counted)
-    again = tokenizers._tiktoken_ranks(llama3_model, counted)
+    first, digest = tokenizers._tiktoken_ranks(llama3_model, counted)
+    again, digest_again = tokenizers._tiktoken_ranks(llama3_model, counted)
+    assert digest == digest_again == hashlib.sha256(open(llama3_model, "rb").read()).hexdigest()
     assert len(calls) == 1 and list(first.items()) == list(again.items()) == list(want.items())
     (entry,) = (tmp_path / "ranks").iterdir()
     assert entry.name.endswith(".npz") and [p.name for p in (tmp_path / "ranks").iterdir()] == [entry.name]
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # not whole
-    assert tokenizers._tiktoken_ranks(llama3_model, counted) == want and len(calls) == 2
-    assert tokenizers._tiktoken_ranks(llama3_model, counted) == want and len(calls) == 2  # rewritten
+    assert tokenizers._tiktoken_ranks(llama3_model, counted)[0] == want and len(calls) == 2
+    assert tokenizers._tiktoken_ranks(llama3_model, counted)[0] == want and len(calls) == 2  # rewritten
     other = tmp_path / "other.model"
     other.write_bytes(b"".join(open(llama3_model, "rb").read().splitlines(keepends=True)[:1000]))
-    assert len(tokenizers._tiktoken_ranks(str(other), counted)) == 1000 and len(calls) == 3
+    assert len(tokenizers._tiktoken_ranks(str(other), counted)[0]) == 1000 and len(calls) == 3
     assert len(list((tmp_path / "ranks").iterdir())) == 2
     import tiktoken
 
     fresh = tiktoken.Encoding("fresh", pat_str=tokenizers.LLAMA3_PATTERN, mergeable_ranks=want, special_tokens={})
     tok = load_tokenizer(f"tiktoken:{llama3_model}")  # its ranks from the cache: the same ids
     assert tok.encode(SAMPLE + " <|begin_of_text|>") == fresh.encode(SAMPLE + " <|begin_of_text|>")
+
+
+def test_released_tiktoken_tables_load_again_from_the_same_file(llama3_model, tmp_path):
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(open(llama3_model, "rb").read())
+    tok = load_tokenizer(f"tiktoken:{path}")
+    want, vocab = tok.encode(SAMPLE), tok.vocab_size
+    tok.release_tables()
+    assert tok._enc is None and tok.vocab_size == vocab and tok.eod == 128001
+    assert tok.pieces("x" * 30_000) == ["x" * 25_000, "x" * 5_000]  # cutting needs no tables
+    assert tok.encode(SAMPLE) == want and tok._enc is not None  # loaded again
+    tok.release_tables()
+    path.write_bytes(b"".join(open(llama3_model, "rb").read().splitlines(keepends=True)[:1000]))
+    with pytest.raises(TokenizerLoadError, match="changed since it was loaded"):
+        tok.encode(SAMPLE)
 
 
 def test_a_tiktoken_file_replaced_at_the_same_path_is_read_anew(llama3_model, tmp_path, monkeypatch):
