@@ -47,10 +47,10 @@ DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 DEFAULT_WORKER_MEMORY_MB = 256
 MAX_EXAMPLES = 10  # bad records quoted in the summary
 # --workers up to this tokenise in the main process. One worker process beside a main process
-# that only reads ranges and writes ids cost Llama-3 10% more CPU for no gain in wall time
-# (data_pipeline.benchmark on 108 MB, 3 runs: 33.98 vs 37.44 MB per CPU-second, 34.68 vs
-# 35.03 MB/s; Mistral 20.45 vs 21.05, 20.87 vs 20.55 MB/s): the ids and the chunk's pages
-# cross between processes, and the main process's share of the work is ~5%.
+# that only reads ranges and writes ids cost Llama-3 9% more CPU (Mistral 3%) for 1-2% in wall
+# time (data_pipeline.benchmark on 108 MB, b1 vs b, medians of 3: 33.92 vs 37.13 MB per
+# CPU-second, 35.15 vs 34.66 MB/s; Mistral 19.91 vs 20.42, 20.28 vs 19.85 MB/s): the ids and
+# the chunk's pages cross between processes, and the main process's share of the work is ~5%.
 IN_PROCESS_WORKERS = 1
 
 
