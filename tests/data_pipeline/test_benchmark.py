@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from data_pipeline.benchmark import TreeMemorySampler, run_preprocess, tokenizer_alone
+from data_pipeline.benchmark import ONE_WORKER_PROCESS, TreeMemorySampler, run_preprocess, tokenizer_alone
 from tests.data_pipeline.conftest import write_jsonl
 
 
@@ -44,7 +44,8 @@ def test_memory_sampler_sees_an_allocation_in_this_process():
 @pytest.mark.slow
 def test_run_preprocess_reports_time_cpu_and_memory(tmp_path, texts):
     corpus = write_jsonl(tmp_path / "c.jsonl", texts[:50])
-    run = run_preprocess("byte", corpus, 1, str(tmp_path), sample_memory=True)
+    # -j1 with a worker process (b1): -j1 itself runs in one process (preprocess.IN_PROCESS_WORKERS)
+    run = run_preprocess("byte", corpus, ONE_WORKER_PROCESS, str(tmp_path), sample_memory=True)
     assert run["text_bytes"] == sum(len(t.encode()) for t in texts[:50])
     assert 0 < run["seconds"] < run["cli_wall_seconds"]
     assert run["cpu_seconds"] > run["worker_cpu_seconds"] > 0
