@@ -372,13 +372,13 @@ class TiktokenTokenizer(Tokenizer):
 
 
 def _tiktoken_ranks(path: str, load) -> tuple[dict[bytes, int], str]:
-    """(ranks, the file's SHA-256): the ranks from load(path) (tiktoken's load_tiktoken_bpe),
-    or the same from the copy an earlier load left under RANKS_CACHE_DIR: decoding Llama-3's 128,000 base64 ranks takes 0.21 CPU-s,
-    more than half of the reference's load, which every preprocess run pays for its exactness
-    check; the copy reads back in ~0.06. It is named by the file's SHA-256 and tiktoken's
-    version and holds the ranks' bytes end to end, their lengths and the ranks (an .npz, whose
-    CRCs numpy checks; no pickle); one that does not read back whole and consistent is
-    decoded afresh and rewritten."""
+    """(ranks, the file's SHA-256): the ranks from load(path) (tiktoken's load_tiktoken_bpe), or
+    the same from the copy an earlier load left under RANKS_CACHE_DIR. Decoding Llama-3's
+    128,000 base64 ranks takes 0.22 CPU-s, more than half of the reference's load, which
+    every preprocess run pays for its exactness check; the copy reads back in ~0.08. It is
+    named by the file's SHA-256 and tiktoken's version and holds the ranks' bytes end to
+    end, their lengths and the ranks (an .npz, CRC-checked as it is read; no pickle); one that
+    does not read back whole and consistent is decoded afresh and rewritten."""
     import tiktoken
 
     with open(path, "rb") as f:

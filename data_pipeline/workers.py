@@ -6,14 +6,15 @@ preprocessing pool does). Elsewhere they are spawned and load the tokenizer from
 its spec (~0.5 s). Either way they die with their parent, so a SIGKILLed
 preprocess leaves no orphan burning CPU.
 
-Worker model: `--workers N` is N processes, each encoding on one thread, with
-either encoder, for N >= 2; with 0 or 1 the main process encodes (InlinePool: see
+Worker model: `--workers N` is N processes, each encoding on one thread, with either
+encoder, for N >= 2; with 0 or 1 the main process encodes (InlinePool: see
 preprocess.IN_PROCESS_WORKERS for why not one worker process). gigatoken could
-instead spread one process's batches over Rust threads, but the JSON parsing and the checks of every record are Python and
-would stay on one core in that process; as processes they scale with the rest.
-gigatoken encodes one document per call, on the calling thread, so its thread pool
-never starts (and a fork cannot inherit a pool without its threads). The benchmark measures both
-(t2:gigatoken against a2:gigatoken; README).
+instead spread one process's batches over Rust threads, but the JSON parsing and the
+checks of every record are Python and would stay on one core in that process; as
+processes they scale with the rest. gigatoken encodes one document per call, on the
+calling thread, so its thread pool never starts (and a fork cannot inherit a pool
+without its threads). The benchmark measures both (t2:gigatoken against
+a2:gigatoken; README).
 
 Ids come back through shared memory where workers are forked (`TokenSlots`): a worker
 writes a chunk's ids into the slot of that chunk and sends only their count and the
