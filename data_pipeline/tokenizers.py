@@ -290,6 +290,7 @@ class TiktokenTokenizer(Tokenizer):
 
     def __init__(self, spec: str) -> None:
         super().__init__(spec)
+        self._digest = None  # the rank file's SHA-256, from its first load
         self._enc = self._load()
         self._vocab_size = self._enc.n_vocab
 
@@ -305,12 +306,15 @@ class TiktokenTokenizer(Tokenizer):
         except Exception as err:  # binascii/ValueError on a file of another format
             raise TokenizerLoadError(f"{path!r} is not a tiktoken BPE rank file ({err}); each line "
                                      "must be '<base64 token> <rank>'") from err
-        if getattr(self, "_digest", digest) != digest:  # a reload (release_tables) of a replaced file
+        if self._digest not in (None, digest):  # a reload (release_tables) of a replaced file
             raise TokenizerLoadError(f"{path!r} changed since it was loaded; load the tokenizer again")
         self._digest = digest
         self._specials = {tok: len(ranks) + i for i, tok in enumerate(LLAMA3_SPECIALS)}
         return tiktoken.Encoding(os.path.basename(path), pat_str=LLAMA3_PATTERN,
                                  mergeable_ranks=ranks, special_tokens=self._specials)
+
+    def _content_hash(self) -> str:
+        return self._digest  # hashed as the ranks were read: the file is not read again
 
     def release_tables(self) -> None:
         """Free tiktoken's tables: 48 of the 55 MB Llama-3's reference holds, which every
