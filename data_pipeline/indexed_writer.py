@@ -44,6 +44,9 @@ with quiet_megatron_import():
         get_idx_path,
     )
 
+# Kept in a module without Megatron-Core, so the CLIs can refuse bad outputs before importing it.
+from data_pipeline.output_paths import DatasetFileError, OutputError, manifest_path
+
 MANIFEST_VERSION = 1
 # Index entries read per block when merging: 1M entries = 8 MB of int64, whatever the data size.
 MERGE_BLOCK_ENTRIES = 1 << 20
@@ -51,26 +54,9 @@ MERGE_BLOCK_ENTRIES = 1 << 20
 SYNC_EVERY_BYTES = 16 << 20
 
 
-class OutputError(ValueError):
-    """An output that cannot be written; the message names the path and the fix."""
-
-
-class DatasetFileError(ValueError):
-    """A dataset whose files are missing, damaged or do not belong together."""
-
-
 def token_dtype(vocab_size: int) -> type:
     """Megatron's choice: uint16 below 65500 ids, else int32 (a 128k vocabulary needs int32)."""
     return DType.optimal_dtype(vocab_size)
-
-
-def manifest_path(prefix: str) -> str:
-    return prefix + ".meta.json"
-
-
-def strip_extension(path: str) -> str:
-    """A dataset prefix from a prefix or a path to its .bin/.idx."""
-    return path[: -len(".idx")] if path.endswith((".bin", ".idx")) else path
 
 
 def output_exists(prefix: str) -> bool:
@@ -81,21 +67,6 @@ def output_exists(prefix: str) -> bool:
 def partial_paths(prefix: str) -> list[str]:
     return [get_bin_path(prefix) + ".partial", get_idx_path(prefix) + ".partial",
             manifest_path(prefix) + ".partial"]
-
-
-def check_output_prefix(prefix: str) -> None:
-    """Fail before any work if the prefix's directory is missing or not writable."""
-    from data_pipeline.checks import writable_dir_problem
-
-    directory = os.path.dirname(os.path.abspath(prefix))
-    if not os.path.isdir(directory):
-        raise OutputError(f"output directory {directory!r} does not exist; create it first "
-                          f"(mkdir -p {directory})")
-    problem = writable_dir_problem(directory)
-    if problem:
-        raise OutputError(f"output directory {directory!r} is not writable: {problem}")
-    if os.path.basename(prefix) in ("", ".", ".."):
-        raise OutputError(f"output prefix {prefix!r} must end in a file name, e.g. {prefix}/corpus")
 
 
 def open_index(prefix: str):

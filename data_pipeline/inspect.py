@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from data_pipeline.checks import nonnegative_int, run_cli
-    from data_pipeline.indexed_writer import DatasetFileError, strip_extension
+    from data_pipeline.output_paths import DatasetFileError, strip_extension
     from data_pipeline.tokenizers import TokenizerLoadError, load_tokenizer
 
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.inspect",

@@ -26,7 +26,7 @@ class MergeError(ValueError):
 
 
 def resolve_prefixes(patterns: list[str]) -> list[str]:
-    from data_pipeline.indexed_writer import strip_extension
+    from data_pipeline.output_paths import strip_extension
 
     prefixes: list[str] = []
     for pattern in patterns:
@@ -52,11 +52,11 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
         AtomicIndexedDataset,
         DatasetFileError,
         StreamingConcatBuilder,
-        check_output_prefix,
         open_index,
         output_exists,
         read_manifest,
     )
+    from data_pipeline.output_paths import check_output_prefix
 
     prefixes = resolve_prefixes(inputs)
     check_output_prefix(output_prefix)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from data_pipeline.checks import run_cli
-    from data_pipeline.indexed_writer import OutputError
+    from data_pipeline.output_paths import OutputError
 
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.merge",
                                      description=__doc__.split("\n\n")[0])

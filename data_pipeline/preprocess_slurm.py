@@ -47,7 +47,8 @@ class SlurmPlanError(ValueError):
 
 def make_plan(args: argparse.Namespace) -> dict:
     """Every check, then the plan as JSON-ready data; raises on bad input, writes nothing."""
-    from data_pipeline.indexed_writer import check_output_prefix, output_exists
+    from data_pipeline.indexed_writer import output_exists
+    from data_pipeline.output_paths import check_output_prefix
     from data_pipeline.shares import count_records, plan_shares
     from data_pipeline.sources import check_readable, resolve_inputs
     from data_pipeline.tokenizers import TokenizerLoadError, absolute_spec, load_tokenizer
@@ -245,7 +246,7 @@ def run_task(plan_path: str, index: int) -> int:
 
 def _stamp_shard(prefix: str, identity: dict) -> None:
     """Record the plan's shard in the manifest (after the pair; written whole, then renamed)."""
-    from data_pipeline.indexed_writer import manifest_path
+    from data_pipeline.output_paths import manifest_path
 
     path = manifest_path(prefix)
     manifest = json.loads(Path(path).read_text())
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     from data_pipeline.checks import BAD_INPUT, print_error, run_cli
-    from data_pipeline.indexed_writer import OutputError
+    from data_pipeline.output_paths import OutputError
     from data_pipeline.merge import MergeError
     from data_pipeline.tokenizers import TokenizerLoadError
 

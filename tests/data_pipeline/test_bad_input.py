@@ -337,6 +337,25 @@ def test_cli_refuses(case, tmp_path, made):
     expect_refusal(module, argv, names=names, cwd=tmp_path)
 
 
+def test_preprocess_refuses_before_importing_megatron(tmp_path):
+    """A missing input, a missing output directory or a tokenizer that does not load is
+    refused before megatron.core's import (~9 CPU-s, the output writer's), in a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from data_pipeline.preprocess import main; rc = main(sys.argv[1:]); "
+            "print(rc, 'megatron.core' in sys.modules, 'torch' in sys.modules)")
+    good = _input(tmp_path, [GOOD.encode()])
+    for argv in (["-i", tmp_path / "none.jsonl", "-o", tmp_path / "x", *P],
+                 ["-i", good, "-o", tmp_path / "no" / "x", *P],
+                 ["-i", good, "-o", tmp_path / "x", "--no-progress", "-t", tmp_path / "tok.model"]):
+        run = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=120)
+        assert run.stdout.split() == ["2", "False", "False"], (argv, run.stdout, run.stderr)
+        assert run.stderr.startswith("error: "), run.stderr
+    assert not list(tmp_path.glob("x*"))
+
+
 def test_preprocess_at_the_file_size_limit_keeps_nothing(tmp_path):
     """A full disk / `ulimit -f` while writing: one line, exit 1, no output, no temporaries."""
     from data_pipeline.datasets import DEMO_CORPUS

@@ -1,0 +1,43 @@
+"""What the data CLIs check about their outputs before any work, without Megatron-Core.
+
+`indexed_writer` writes and reads the files through megatron.core, whose import takes
+~9 CPU-s (torch and the package's __init__); the CLIs' refusals of a bad output
+directory, a missing input or a tokenizer that does not load come from here and the
+other light modules first, so they arrive in about a second, before that import.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class OutputError(ValueError):
+    """An output that cannot be written; the message names the path and the fix."""
+
+
+class DatasetFileError(ValueError):
+    """A dataset whose files are missing, damaged or do not belong together."""
+
+
+def manifest_path(prefix: str) -> str:
+    return prefix + ".meta.json"
+
+
+def strip_extension(path: str) -> str:
+    """A dataset prefix from a prefix or a path to its .bin/.idx."""
+    return path[: -len(".idx")] if path.endswith((".bin", ".idx")) else path
+
+
+def check_output_prefix(prefix: str) -> None:
+    """Fail before any work if the prefix's directory is missing or not writable."""
+    from data_pipeline.checks import writable_dir_problem
+
+    directory = os.path.dirname(os.path.abspath(prefix))
+    if not os.path.isdir(directory):
+        raise OutputError(f"output directory {directory!r} does not exist; create it first "
+                          f"(mkdir -p {directory})")
+    problem = writable_dir_problem(directory)
+    if problem:
+        raise OutputError(f"output directory {directory!r} is not writable: {problem}")
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise OutputError(f"output prefix {prefix!r} must end in a file name, e.g. {prefix}/corpus")
