@@ -451,7 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipeline.checks import run_cli
     from data_pipeline.output_paths import OutputError
 
+    from data_pipeline.workers import keep_large_buffers_unmapped
+
     args = build_parser().parse_args(argv)
+    # Before the tokenizer loads: the heap workers fork with is then less holed (README).
+    keep_large_buffers_unmapped()
     console = Console(stderr=True)
     # Slurm preemption and `kill` send SIGTERM: unwind like Ctrl-C so temporaries go away.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from data_pipeline.indexed_writer import OutputError
-from data_pipeline.preprocess import PreprocessError, main, preprocess
+from data_pipeline.preprocess import PreprocessError, preprocess
 from data_pipeline.sources import InputError
 from data_pipeline.tokenizers import TokenizerLoadError
 from tests.bad_input import expect_refusal
