@@ -450,7 +450,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from data_pipeline.checks import run_cli
     from data_pipeline.output_paths import OutputError
-
     from data_pipeline.workers import keep_large_buffers_unmapped
 
     args = build_parser().parse_args(argv)
