@@ -70,7 +70,6 @@ def save_checkpoint(dst: Path, model: dict) -> dict:
     from megatron.core import dist_checkpointing
 
     from checkpoints_tools.common import write_training_meta
-    from checkpoints_tools.verify import _single_process_env
     from models.build import build_model_chunks
     from models.runtime import RuntimeOptions
     from models.config import ModelConfig
@@ -79,7 +78,6 @@ def save_checkpoint(dst: Path, model: dict) -> dict:
     from pretrain.runtime import init_distributed
 
     config, layout = ModelConfig(**model), ParallelLayout()
-    _single_process_env()
     init_distributed(layout, seed=0)
     chunk = build_model_chunks(config, layout, RuntimeOptions(seed=0, spec="portable"))[0]
     dst.mkdir(parents=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -26,18 +25,6 @@ import torch
 from checkpoints_tools.common import ToolError, add_input_arguments, checkpoint_model, resolve_checkpoint, run_cli
 from data_pipeline.checks import finite_float, positive_int
 from models.layout import ParallelLayout
-
-
-def _single_process_env() -> None:
-    """A one-rank gloo world on a free port, unless a launcher already set one up."""
-    if "RANK" in os.environ:
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[ParallelLayout] = None,
@@ -53,7 +40,6 @@ def model_logits(checkpoint: Path, tokens: torch.Tensor, *, layout: Optional[Par
 
     layout = layout or ParallelLayout()
     _, model = checkpoint_model(checkpoint)
-    _single_process_env()
     init_distributed(layout, seed=seed)
     chunks = build_model_chunks(model, layout, RuntimeOptions(seed=seed, spec="auto"))
     load_model_weights(checkpoint, chunks)

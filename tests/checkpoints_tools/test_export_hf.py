@@ -151,6 +151,33 @@ def test_verify_passes_export_and_catches_swapped_kv(trained, tmp_path):
     assert not report["passed"] and report["max_abs_diff"] > 1e-2
 
 
+_STORE_PROBE = """
+import json, os, sys
+from torch.distributed import distributed_c10d
+from checkpoints_tools.verify import model_logits
+from tests.checkpoints_tools.workers import tokens
+logits = model_logits(sys.argv[1], tokens(100))
+store = distributed_c10d._get_default_store()
+store = getattr(store, "underlying_store", store)  # the process group's PrefixStore wraps it
+print(json.dumps({"store": type(store).__name__, "env": sorted({"RANK", "MASTER_PORT"} & set(os.environ)),
+                  "shape": list(logits.shape)}))
+"""
+
+
+def test_verify_in_one_process_rendezvouses_in_memory(trained):
+    """One-process logits rendezvous on an in-memory store: no TCP port to pick and lose to
+    another process between picking and binding (CI lost one so, EADDRINUSE, when two verify
+    runs picked theirs by binding port 0 beside gloo's outgoing connections)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", _STORE_PROBE, str(trained["untied"].latest)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"store": "HashStore", "env": [], "shape": [2, 64, result["shape"][2]]}
+
+
 def test_gpt_exports_as_gpt2_and_logits_match(trained, tmp_path):
     """LayerNorm + GELU + learned positions + biases (tiny-gpt) -> GPT2LMHeadModel, trained at TP2 x PP2."""
     run = trained["vllm-gpt"]
