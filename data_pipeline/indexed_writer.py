@@ -45,7 +45,7 @@ with quiet_megatron_import():
     )
 
 # Kept in a module without Megatron-Core, so the CLIs can refuse bad outputs before importing it.
-from data_pipeline.output_paths import DatasetFileError, OutputError, manifest_path
+from data_pipeline.output_paths import DatasetFileError, OutputError, check_dataset_files, manifest_path
 
 MANIFEST_VERSION = 1
 # Index entries read per block when merging: 1M entries = 8 MB of int64, whatever the data size.
@@ -80,10 +80,7 @@ def open_index(prefix: str):
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     bin_path, idx_path = get_bin_path(prefix), get_idx_path(prefix)
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            raise DatasetFileError(f"no dataset at prefix {prefix!r} ({path} not found); create it "
-                                   "with python -m data_pipeline.preprocess")
+    check_dataset_files(prefix)
     try:
         index = _IndexReader(idx_path, multimodal=False)
         lengths, pointers = index.sequence_lengths, index.sequence_pointers

@@ -28,6 +28,9 @@ def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
 
 def summarize(prefix: str) -> dict:
     """Counts and statistics of the dataset at `prefix`, read through Megatron's reader."""
+    from data_pipeline.output_paths import check_dataset_files
+
+    check_dataset_files(prefix)  # before megatron.core's import (~9 CPU-s): output_paths' docstring
     from data_pipeline.indexed_writer import IndexedDataset, open_index, read_manifest
 
     open_index(prefix)  # DatasetFileError: missing, damaged, or a .bin of the wrong size

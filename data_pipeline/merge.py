@@ -48,25 +48,31 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
+    from data_pipeline.output_paths import DatasetFileError, check_dataset_files, check_output_prefix
+
+    prefixes = resolve_prefixes(inputs)
+    check_output_prefix(output_prefix)
+    out_real = os.path.realpath(output_prefix)
+    for prefix in prefixes:  # before megatron.core's import (~9 CPU-s): output_paths' docstring
+        if os.path.realpath(prefix) == out_real:
+            raise MergeError(f"output {output_prefix!r} is also an input; choose another prefix")
+        try:
+            check_dataset_files(prefix)
+        except DatasetFileError as exc:
+            raise MergeError(str(exc)) from None
+
     from data_pipeline.indexed_writer import (
         AtomicIndexedDataset,
-        DatasetFileError,
         StreamingConcatBuilder,
         open_index,
         output_exists,
         read_manifest,
     )
-    from data_pipeline.output_paths import check_output_prefix
 
-    prefixes = resolve_prefixes(inputs)
-    check_output_prefix(output_prefix)
-    out_real = os.path.realpath(output_prefix)
     dtypes, tokenizers, documents, tokens = {}, {}, 0, 0
     for prefix in prefixes:
-        if os.path.realpath(prefix) == out_real:
-            raise MergeError(f"output {output_prefix!r} is also an input; choose another prefix")
         try:
-            index = open_index(prefix)  # missing, damaged or truncated inputs are refused
+            index = open_index(prefix)  # damaged or truncated inputs are refused
         except DatasetFileError as exc:
             raise MergeError(str(exc)) from None
         dtypes[prefix] = index.dtype

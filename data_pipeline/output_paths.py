@@ -2,8 +2,9 @@
 
 `indexed_writer` writes and reads the files through megatron.core, whose import takes
 ~9 CPU-s (torch and the package's __init__); the CLIs' refusals of a bad output
-directory, a missing input or a tokenizer that does not load come from here and the
-other light modules first, so they arrive in about a second, before that import.
+directory, a missing input dataset or a tokenizer that does not load come from here and the
+other light modules first (preprocess, merge, inspect), so they arrive in about a second,
+before that import.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ def manifest_path(prefix: str) -> str:
 def strip_extension(path: str) -> str:
     """A dataset prefix from a prefix or a path to its .bin/.idx."""
     return path[: -len(".idx")] if path.endswith((".bin", ".idx")) else path
+
+
+def check_dataset_files(prefix: str) -> None:
+    """Fail if the dataset at `prefix` lacks its .idx or .bin (Megatron's names: prefix + ext)."""
+    for path in (prefix + ".idx", prefix + ".bin"):
+        if not os.path.isfile(path):
+            raise DatasetFileError(f"no dataset at prefix {prefix!r} ({path} not found); create it "
+                                   "with python -m data_pipeline.preprocess")
 
 
 def check_output_prefix(prefix: str) -> None:

@@ -337,22 +337,30 @@ def test_cli_refuses(case, tmp_path, made):
     expect_refusal(module, argv, names=names, cwd=tmp_path)
 
 
-def test_preprocess_refuses_before_importing_megatron(tmp_path):
-    """A missing input, a missing output directory or a tokenizer that does not load is
-    refused before megatron.core's import (~9 CPU-s, the output writer's), in a fresh process."""
+def _refusals_before_megatron(tmp_path) -> list[tuple[str, list]]:
+    good = _input(tmp_path, [GOOD.encode()])
+    return [("preprocess", ["-i", tmp_path / "none.jsonl", "-o", tmp_path / "x", *P]),
+            ("preprocess", ["-i", good, "-o", tmp_path / "no" / "x", *P]),
+            ("preprocess", ["-i", good, "-o", tmp_path / "x", "--no-progress", "-t", tmp_path / "tok.model"]),
+            ("merge", ["-i", tmp_path / "none", "-o", tmp_path / "x", "--no-progress"]),
+            ("merge", ["-i", tmp_path / "none", "-o", tmp_path / "no" / "x"]),
+            ("inspect", [tmp_path / "none"])]
+
+
+def test_data_clis_refuse_before_importing_megatron(tmp_path):
+    """A missing input (file or dataset), a missing output directory or a tokenizer that does
+    not load is refused before megatron.core's import (~9 CPU-s, the dataset reader and
+    writer's), in a fresh process: preprocess, merge and inspect."""
     import subprocess
     import sys
 
-    code = ("import sys; from data_pipeline.preprocess import main; rc = main(sys.argv[1:]); "
+    code = ("import importlib, sys; rc = importlib.import_module(sys.argv[1]).main(sys.argv[2:]); "
             "print(rc, 'megatron.core' in sys.modules, 'torch' in sys.modules)")
-    good = _input(tmp_path, [GOOD.encode()])
-    for argv in (["-i", tmp_path / "none.jsonl", "-o", tmp_path / "x", *P],
-                 ["-i", good, "-o", tmp_path / "no" / "x", *P],
-                 ["-i", good, "-o", tmp_path / "x", "--no-progress", "-t", tmp_path / "tok.model"]):
-        run = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True,
-                             cwd=tmp_path, timeout=120)
-        assert run.stdout.split() == ["2", "False", "False"], (argv, run.stdout, run.stderr)
-        assert run.stderr.startswith("error: "), run.stderr
+    for tool, argv in _refusals_before_megatron(tmp_path):
+        run = subprocess.run([sys.executable, "-c", code, f"data_pipeline.{tool}", *map(str, argv)],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert run.stdout.split()[-3:] == ["2", "False", "False"], (tool, argv, run.stdout, run.stderr)
+        assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
     assert not list(tmp_path.glob("x*"))
 
 
