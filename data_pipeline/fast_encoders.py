@@ -33,6 +33,7 @@ import sys
 
 import numpy as np
 
+from data_pipeline.heap import return_freed_memory
 from data_pipeline.tokenizers import (
     LLAMA3_PATTERN, TIKTOKEN_PREFIX, HFTokenizer, SentencePieceTokenizer,
     TiktokenTokenizer, Tokenizer, TokenizerLoadError, join_documents, tiktoken_reads_files_afresh,
@@ -201,20 +202,6 @@ class GigatokenEncoder:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["reference"], state["json"])
-
-
-def return_freed_memory() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim; False where
-    there is none). Loading a tokenizer.json into gigatoken frees its parse buffers but
-    glibc keeps the pages: Llama-3's load leaves the process 117 MB larger, 71 MB after the
-    trim, and forked workers would inherit the difference (README: preprocess's peak memory)."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the C library this process runs on
-    except (OSError, AttributeError):  # macOS, musl: no malloc_trim
-        return False
-    return bool(trim(0))
 
 
 def first_difference(reference: Tokenizer, encoder, texts, wanted: list | None = None) -> int | None:

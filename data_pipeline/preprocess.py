@@ -181,7 +181,8 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     """
     from rich.console import Console
 
-    from data_pipeline.fast_encoders import ENCODERS, choose_encoder, input_sample, return_freed_memory
+    from data_pipeline.fast_encoders import ENCODERS, choose_encoder, input_sample
+    from data_pipeline.heap import return_freed_memory
     from data_pipeline.progress import byte_progress
     from data_pipeline.workers import InlinePool, WorkerConfig, WorkerPool
 
@@ -449,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from data_pipeline.checks import run_cli
+    from data_pipeline.heap import keep_large_buffers_unmapped
     from data_pipeline.output_paths import OutputError
-    from data_pipeline.workers import keep_large_buffers_unmapped
 
     args = build_parser().parse_args(argv)
     # Before the tokenizer loads: the heap workers fork with is then less holed (README).

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from data_pipeline.heap import keep_large_buffers_unmapped
 from data_pipeline.processes import die_with_parent, get_unless_orphaned
 from data_pipeline.sources import BadRecord, Chunk, FileRange, InputError, iter_records, text_utf8
 
@@ -177,30 +178,6 @@ def retire_after(config: WorkerConfig, baseline: int | None) -> bool:
         return False
     now = resident_bytes()
     return now is not None and now - baseline > config.memory_growth_limit
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-# Long documents, their ids and the encoder's scratch for them. Not the ~1 MiB chunk buffers:
-# mapped afresh for every chunk they cost Mistral's gigatoken runs ~4% more CPU in page
-# faults, for 10 MB less memory (data_pipeline.benchmark, c:gigatoken, 5 alternated runs).
-MMAP_THRESHOLD_BYTES = 4 << 20
-
-
-def keep_large_buffers_unmapped() -> bool:
-    """Pin glibc's mmap threshold at MMAP_THRESHOLD_BYTES (False where there is no glibc).
-    Above it an allocation is a mapping of its own, handed back when freed; but glibc raises
-    the threshold (up to 32 MiB) whenever such a block is freed, after which the next long
-    documents come from the heap, whose freed pages stay resident: Llama-3's gigatoken workers
-    ended 25 MB larger each on the 108 MB benchmark corpus (README, "Memory with gigatoken").
-    The trim threshold is pinned at twice that, as glibc's own rule sets it."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # macOS, musl
-        return False
-    return (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-            and mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES) == 1)
 
 
 def worker_main(config: WorkerConfig, tokenizer, tasks, results, parent_pid: int,

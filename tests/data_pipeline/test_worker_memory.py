@@ -88,7 +88,7 @@ def test_freed_heap_pages_go_back_to_the_system():
     import sys
 
     script = """
-from data_pipeline.fast_encoders import return_freed_memory
+from data_pipeline.heap import return_freed_memory
 from data_pipeline.workers import resident_bytes
 blocks = [bytes(4000) for _ in range(24_000)]  # malloc'd (> 512 bytes), below mmap's threshold
 pin = bytes(4000)  # keeps the heap's top in use, so free() alone cannot shrink it
@@ -114,7 +114,8 @@ def test_freed_long_document_buffers_go_back_with_the_mmap_threshold_pinned(pinn
     import sys
 
     script = f"""
-from data_pipeline.workers import keep_large_buffers_unmapped, resident_bytes
+from data_pipeline.heap import keep_large_buffers_unmapped
+from data_pipeline.workers import resident_bytes
 print({pinned} and keep_large_buffers_unmapped())
 big = bytearray(16 << 20); big[::4096] = b"x" * len(big[::4096]); del big  # raises the threshold
 pin = bytes(4000)
