@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from launch.launchers.local import free_port
+from launch.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

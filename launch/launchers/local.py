@@ -23,39 +23,13 @@ import sys
 import time
 
 from data_pipeline.checks import positive_int, run_cli
+from launch.ports import free_port
 from pretrain.cli import resolve_config
 from pretrain.config import ConfigError, validate_for_world, validate_inputs
 from pretrain.observe.watchdog import EXIT_HANG, hang_reports
 
 # What a scheduler or `kill` sends to stop a job; the ranks save on each (pretrain.signals).
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
-
-
-def free_port() -> int:
-    """A free port for a rendezvous on this machine, so concurrent local runs do not collide.
-
-    Drawn at random below the kernel's ephemeral range, not by binding port 0: a port from
-    that range, free when checked, was taken by the next outgoing connection now and then
-    (gloo opens many) before rank 0 bound it ("The server socket has failed to listen on any
-    local network address", seen with several test sessions on one machine)."""
-    import random
-    import socket
-
-    try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(100):
-        port = random.randrange(10000, max(10001, low))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything below the range busy: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_module(nproc: int, module: str, args: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ import dataclasses
 import re
 import shlex
 import textwrap
+from pathlib import Path
 from typing import Literal, Optional
 
 from pretrain.observe.watchdog import EXIT_HANG, HANG_DIR
@@ -201,8 +202,11 @@ def _environment(spec: JobSpec) -> list[str]:
     return lines + [""]
 
 
-# Asks the kernel for a port nobody on this host listens on (as torchrun --standalone does).
-_FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+def _free_port_program() -> list[str]:
+    """launch/ports.py without its docstring: run by the batch host's python3 (README: Slurm)."""
+    from launch import ports
+
+    return Path(ports.__file__).read_text().split('"""', 2)[2].strip().splitlines()
 
 
 def _rendezvous(spec: JobSpec) -> list[str]:
@@ -210,11 +214,16 @@ def _rendezvous(spec: JobSpec) -> list[str]:
     python = "python3" if spec.container_image else shlex.quote(spec.python)
     return [
         "# ---- Rendezvous: rank 0 runs on the first node of the allocation, where this script",
-        "# runs (the batch host). The port is one the kernel finds free there now, so two jobs",
-        "# sharing a node do not collide, as ports derived from job ids could. ----",
+        "# runs (the batch host). The port is one found free there now, so two jobs sharing a",
+        "# node do not collide, as ports derived from job ids could; drawn below the kernel's",
+        "# ephemeral range, where no outgoing connection takes it before rank 0 binds it",
+        "# (launch/ports.py). ----",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export MASTER_ADDR",
-        f'if ! MASTER_PORT=$({python} -c {shlex.quote(_FREE_PORT)}); then',
+        f"if ! MASTER_PORT=$({python} - <<'PY'",
+        *_free_port_program(),
+        "PY",
+        "); then",
         "    MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
         '    echo "[launch.slurm] warning: could not pick a free port on $(hostname); using $MASTER_PORT (job id)"',
         "fi",
@@ -337,7 +346,7 @@ def _hang_handling(spec: JobSpec) -> list[str]:
     ]
     if not (spec.requeue and spec.hang_requeues):
         return lines + [
-            f'    echo "[launch.slurm] the hang watchdog stopped the ranks (exit $RC); stacks: $HANG_REPORT; '
+            '    echo "[launch.slurm] the hang watchdog stopped the ranks (exit $RC); stacks: $HANG_REPORT; '
             'not requeueing (requeue is off)"',
             f"    exit {EXIT_HANG}",
             "fi",

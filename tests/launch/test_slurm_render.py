@@ -169,8 +169,9 @@ def _rendezvous_block(script: str) -> str:
 
 @pytest.mark.parametrize("python_on_host", [True, False])
 def test_rendezvous_port_is_free_on_the_batch_host(python_on_host, tmp_path, capsys):
-    """Two jobs sharing a node must not get one port: the script asks the kernel for a free
-    port on the batch host (where rank 0 runs); without python there, the job id's port."""
+    """Two jobs sharing a node must not get one port: the script picks a free port on the
+    batch host (where rank 0 runs) below the kernel's ephemeral range (launch/ports.py);
+    without python there, the job id's port."""
     import socket
 
     code, out, err = run(LLAMA70B_8X8 + ["--dry-run"], capsys)
@@ -194,7 +195,9 @@ def test_rendezvous_port_is_free_on_the_batch_host(python_on_host, tmp_path, cap
         assert addr == "node1"
         ports.add(int(port))
     if python_on_host:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
         for port in ports:
+            assert 10000 <= port < low  # below the range outgoing connections take theirs from
             with socket.socket() as s:
                 s.bind(("", port))  # it was free (and still is)
     else:

@@ -56,11 +56,40 @@ export NCCL_DEBUG=WARN
 unset RANK WORLD_SIZE LOCAL_RANK
 
 # ---- Rendezvous: rank 0 runs on the first node of the allocation, where this script
-# runs (the batch host). The port is one the kernel finds free there now, so two jobs
-# sharing a node do not collide, as ports derived from job ids could. ----
+# runs (the batch host). The port is one found free there now, so two jobs sharing a
+# node do not collide, as ports derived from job ids could; drawn below the kernel's
+# ephemeral range, where no outgoing connection takes it before rank 0 binds it
+# (launch/ports.py). ----
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
-if ! MASTER_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'); then
+if ! MASTER_PORT=$(python3 - <<'PY'
+import random
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range busy: the kernel's choice
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    print(free_port(""))  # every interface: rank 0 listens on the node's address
+PY
+); then
     MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
     echo "[launch.slurm] warning: could not pick a free port on $(hostname); using $MASTER_PORT (job id)"
 fi
