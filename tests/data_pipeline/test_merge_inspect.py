@@ -78,3 +78,21 @@ def test_inspect_reports_counts_and_decodes(shards, capsys):
     assert "uint16" in out and "40" in out and "3,999" not in out.split("largest token id")[0]
     assert "Genesis 1" in out and "document 0:" in out and "histogram" in out
     assert inspect_main([str(tmp_path / "nothing")]) == 2
+
+
+def test_light_existence_check_names_megatrons_files(tmp_path):
+    """output_paths.check_dataset_files (run before megatron.core's import) looks for the
+    files Megatron's reader opens: a guard for when its names change."""
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+
+    from data_pipeline.output_paths import DatasetFileError, check_dataset_files
+
+    for case, names in enumerate(([], [get_idx_path], [get_bin_path], [get_idx_path, get_bin_path])):
+        prefix = str(tmp_path / f"d{case}")
+        for name in names:
+            open(name(prefix), "wb").close()
+        if len(names) == 2:
+            check_dataset_files(prefix)  # both there: no error
+        else:
+            with pytest.raises(DatasetFileError, match="no dataset at prefix"):
+                check_dataset_files(prefix)
