@@ -74,7 +74,8 @@ def check_blend(blend: list[tuple[float, str]], tokenizer: Tokenizer) -> None:
     tokenizer."""
     import numpy as np
 
-    from data_pipeline.indexed_writer import DatasetFileError, open_index, read_manifest
+    from data_pipeline.indexed_writer import DatasetFileError, open_index
+    from data_pipeline.output_paths import read_manifest
 
     if not blend:
         raise DatasetConfigError("blend is empty; give [(weight, prefix), ...] or use mock data")
@@ -335,7 +336,7 @@ def ensure_verses_dataset(out_dir: str, chapters: int = 100) -> tuple[str, str]:
     import gzip
     import json
 
-    from data_pipeline.indexed_writer import output_exists
+    from data_pipeline.output_paths import output_exists
     from data_pipeline.preprocess import preprocess
 
     os.makedirs(out_dir, exist_ok=True)

@@ -37,7 +37,7 @@ with quiet_megatron_import():
     from megatron.core.datasets.indexed_dataset import (
         _INDEX_HEADER,
         DType,
-        IndexedDataset,
+        IndexedDataset,  # for inspect and config validation, which read datasets through it
         IndexedDatasetBuilder,
         _IndexWriter,
         get_bin_path,
@@ -52,16 +52,6 @@ MANIFEST_VERSION = 1
 MERGE_BLOCK_ENTRIES = 1 << 20
 # Bytes of tokens between syncs of the .bin while it is written (see _sync_written).
 SYNC_EVERY_BYTES = 16 << 20
-
-
-def token_dtype(vocab_size: int) -> type:
-    """Megatron's choice: uint16 below 65500 ids, else int32 (a 128k vocabulary needs int32)."""
-    return DType.optimal_dtype(vocab_size)
-
-
-def output_exists(prefix: str) -> bool:
-    """Either file of a dataset exists (complete or not): replacing it needs --overwrite."""
-    return os.path.exists(get_bin_path(prefix)) or os.path.exists(get_idx_path(prefix))
 
 
 def partial_paths(prefix: str) -> list[str]:
@@ -102,17 +92,6 @@ def open_index(prefix: str):
                                f"{idx_path} describes: the two files are not from the same run; "
                                "re-create the dataset")
     return index
-
-
-def read_manifest(prefix: str) -> dict | None:
-    """The manifest of a complete output at `prefix`, or None if there is none."""
-    if not (IndexedDataset.exists(prefix) and os.path.isfile(manifest_path(prefix))):
-        return None
-    try:
-        with open(manifest_path(prefix), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 class _VectorisedIndexWriter(_IndexWriter):

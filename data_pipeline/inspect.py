@@ -31,7 +31,8 @@ def summarize(prefix: str) -> dict:
     from data_pipeline.output_paths import check_dataset_files
 
     check_dataset_files(prefix)  # before megatron.core's import (~9 CPU-s): output_paths' docstring
-    from data_pipeline.indexed_writer import IndexedDataset, open_index, read_manifest
+    from data_pipeline.indexed_writer import IndexedDataset, open_index
+    from data_pipeline.output_paths import read_manifest
 
     open_index(prefix)  # DatasetFileError: missing, damaged, or a .bin of the wrong size
     dataset = IndexedDataset(prefix)

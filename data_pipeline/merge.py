@@ -65,9 +65,8 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
         AtomicIndexedDataset,
         StreamingConcatBuilder,
         open_index,
-        output_exists,
-        read_manifest,
     )
+    from data_pipeline.output_paths import output_exists, read_manifest
 
     dtypes, tokenizers, documents, tokens = {}, {}, 0, 0
     for prefix in prefixes:

@@ -4,7 +4,8 @@
 ~9 CPU-s (torch and the package's __init__); the CLIs' refusals of a bad output
 directory, a missing input dataset or a tokenizer that does not load come from here and the
 other light modules first (preprocess, merge, inspect), so they arrive in about a second,
-before that import.
+before that import. preprocess also decides here which outputs are finished and their ids'
+dtype, and loads its encoders before the import, so their peak does not stack on it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,33 @@ def manifest_path(prefix: str) -> str:
 def strip_extension(path: str) -> str:
     """A dataset prefix from a prefix or a path to its .bin/.idx."""
     return path[: -len(".idx")] if path.endswith((".bin", ".idx")) else path
+
+
+def output_exists(prefix: str) -> bool:
+    """Either file of a dataset exists (complete or not): replacing it needs --overwrite."""
+    return os.path.exists(prefix + ".bin") or os.path.exists(prefix + ".idx")
+
+
+def read_manifest(prefix: str) -> dict | None:
+    """The manifest of a complete output at `prefix` (both files and the manifest present), or
+    None if there is none."""
+    import json
+
+    if not all(os.path.isfile(path) for path in (prefix + ".idx", prefix + ".bin", manifest_path(prefix))):
+        return None
+    try:
+        with open(manifest_path(prefix), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def token_dtype(vocab_size: int) -> type:
+    """Megatron's choice (DType.optimal_dtype): uint16 below 65500 ids, else int32 (a 128k
+    vocabulary needs int32)."""
+    import numpy as np
+
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
 def check_dataset_files(prefix: str) -> None:

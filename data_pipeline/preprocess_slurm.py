@@ -47,8 +47,7 @@ class SlurmPlanError(ValueError):
 
 def make_plan(args: argparse.Namespace) -> dict:
     """Every check, then the plan as JSON-ready data; raises on bad input, writes nothing."""
-    from data_pipeline.indexed_writer import output_exists
-    from data_pipeline.output_paths import check_output_prefix
+    from data_pipeline.output_paths import check_output_prefix, output_exists
     from data_pipeline.shares import count_records, plan_shares
     from data_pipeline.sources import check_readable, resolve_inputs
     from data_pipeline.tokenizers import TokenizerLoadError, absolute_spec, load_tokenizer
@@ -108,7 +107,7 @@ def _shard_inputs(plan: dict, index: int) -> tuple[list[dict], list]:
 
 def finished_shards(plan: dict, directory: Path) -> list[bool]:
     """Which shards a task already wrote for exactly this plan (their manifest says so)."""
-    from data_pipeline.indexed_writer import read_manifest
+    from data_pipeline.output_paths import read_manifest
 
     done = []
     for index in range(len(plan["shards"])):

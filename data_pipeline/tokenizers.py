@@ -451,7 +451,7 @@ def join_documents(arrays: list[np.ndarray], dtype, eod: int | None,
                    into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`arrays` end to end as `dtype`, `eod` after each unless None, and their lengths (eod
     included): one copy, casting as it goes (ids < vocab size fit the output dtype: see
-    indexed_writer.token_dtype), instead of a concatenate, an astype and an insert.
+    output_paths.token_dtype), instead of a concatenate, an astype and an insert.
     `into` (an array of `dtype`): written at its start, and a view of it returned, where the
     ids fit (preprocess's workers pass shared memory: workers.TokenSlots)."""
     lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))

@@ -216,10 +216,14 @@ class InlinePool:
         self._config = config
         self._tokenizer = tokenizer
         self._done: list[ChunkResult] = []
-        self._baseline = resident_bytes()
+        # Taken at the first chunk: what the caller loads after making the pool (preprocess
+        # imports megatron.core's writer then) is not the encoder's growth.
+        self._baseline: int | None = None
         self.replaced = 0  # times the encoder was reloaded to empty its cache (retire_after)
 
     def submit(self, chunk: Chunk) -> None:
+        if self._baseline is None:
+            self._baseline = resident_bytes()
         self._done.append(tokenize_chunk(chunk, self._tokenizer, self._config))
         reset = getattr(self._tokenizer, "reset_cache", None)
         if reset is not None and retire_after(self._config, self._baseline):

@@ -342,14 +342,15 @@ def _refusals_before_megatron(tmp_path) -> list[tuple[str, list]]:
     return [("preprocess", ["-i", tmp_path / "none.jsonl", "-o", tmp_path / "x", *P]),
             ("preprocess", ["-i", good, "-o", tmp_path / "no" / "x", *P]),
             ("preprocess", ["-i", good, "-o", tmp_path / "x", "--no-progress", "-t", tmp_path / "tok.model"]),
+            ("preprocess", ["-i", good, "-o", tmp_path / "x", *P, "--encoder", "gigatoken"]),
             ("merge", ["-i", tmp_path / "none", "-o", tmp_path / "x", "--no-progress"]),
             ("merge", ["-i", tmp_path / "none", "-o", tmp_path / "no" / "x"]),
             ("inspect", [tmp_path / "none"])]
 
 
 def test_data_clis_refuse_before_importing_megatron(tmp_path):
-    """A missing input (file or dataset), a missing output directory or a tokenizer that does
-    not load is refused before megatron.core's import (~9 CPU-s, the dataset reader and
+    """A missing input (file or dataset), a missing output directory, a tokenizer that does
+    not load or an encoder that cannot encode it is refused before megatron.core's import (~9 CPU-s, the dataset reader and
     writer's), in a fresh process: preprocess, merge and inspect."""
     import subprocess
     import sys

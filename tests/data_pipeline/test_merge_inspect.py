@@ -96,3 +96,25 @@ def test_light_existence_check_names_megatrons_files(tmp_path):
         else:
             with pytest.raises(DatasetFileError, match="no dataset at prefix"):
                 check_dataset_files(prefix)
+
+
+def test_light_output_checks_agree_with_megatron(tmp_path):
+    """preprocess decides before megatron.core's import whether an output is finished
+    (read_manifest), exists (output_exists) and which dtype its ids take (token_dtype):
+    the same answers as Megatron's IndexedDataset.exists and DType.optimal_dtype."""
+    import json
+
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, get_bin_path, get_idx_path
+
+    from data_pipeline.output_paths import manifest_path, output_exists, read_manifest, token_dtype
+
+    for vocab in (1, 256, 32_000, 65_499, 65_500, 65_536, 128_256):
+        assert np.dtype(token_dtype(vocab)) == np.dtype(DType.optimal_dtype(vocab)), vocab
+    for case, names in enumerate(([], [get_idx_path], [get_bin_path], [get_idx_path, get_bin_path])):
+        prefix = str(tmp_path / f"d{case}")
+        for name in names:
+            open(name(prefix), "wb").close()
+        with open(manifest_path(prefix), "w") as f:
+            json.dump({"case": case}, f)
+        assert output_exists(prefix) == bool(names)
+        assert (read_manifest(prefix) is not None) == IndexedDataset.exists(prefix) == (len(names) == 2)

@@ -74,6 +74,24 @@ def test_workers_grown_by_distinct_words_are_replaced_and_the_bytes_stay(tmp_pat
     assert outputs["j2"] == outputs["unlimited"] == outputs["j0"]
 
 
+def test_inline_growth_is_counted_from_the_first_chunk(tmp_path, texts):
+    """preprocess makes its pool, then imports megatron.core for the writer (~300 MB): with
+    -j0/-j1 that is not the encoder's growth, so the in-process encoder is not reloaded for it
+    (it was, once per run, before the baseline moved to the first chunk)."""
+    from data_pipeline.fast_encoders import GigatokenEncoder
+    from data_pipeline.sources import iter_chunks, resolve_inputs
+    from data_pipeline.tokenizers import load_tokenizer
+    from data_pipeline.workers import InlinePool, WorkerConfig
+
+    encoder = GigatokenEncoder(load_tokenizer("data_pipeline/assets/demo_sp.model"))
+    chunks = list(iter_chunks(resolve_inputs([write_jsonl(tmp_path / "a.jsonl", texts[:20])]), 4096, "text"))
+    config = WorkerConfig("text", "uint16", None, False, memory_growth_limit=64 << 20)
+    pool = InlinePool(config, encoder)
+    loaded_after_the_pool = np.ones(128 << 20, np.uint8)  # touched: resident
+    results = _results(pool, chunks)
+    assert pool.replaced == 0 and len(results) == len(chunks) and loaded_after_the_pool[-1] == 1
+
+
 def test_the_limit_must_be_positive(tmp_path, corpus):
     from data_pipeline.preprocess import PreprocessError
 
