@@ -38,7 +38,8 @@ preprocess: checks, loads, the probe, worker start), the rate a multi-TB input s
 The probe's reference ids come from fast_encoders' cache after a tokenizer's first run, as
 for users.
 Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.2 s) in one
-extra -j2 run per encoder on the corpus repeated --rss-scale times (0: skip), and with
+extra run per encoder and --rss-workers count (default -j2) on the corpus repeated
+--rss-scale times (0: skip), and with
 --unique-words MB, on MB of random distinct words, with gigatoken's workers replaced as they
 grow (the default --worker-memory-mb) and never replaced.
 """
@@ -334,7 +335,8 @@ def _medians(values: list[dict]) -> dict:
 
 
 def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir: str | None = None,
-              text_scale: int = 1, keys: list[str] | None = None, unique_mb: int = 0) -> dict:
+              text_scale: int = 1, keys: list[str] | None = None, unique_mb: int = 0,
+              rss_workers: tuple[int, ...] = (2,)) -> dict:
     """Every run of `keys` (default all of RUNS) `repeats` times, interleaved (a, b, ...,
     a, b, ...): on a shared machine, load drifts over minutes, so no variant gets all
     the quiet (or all the busy) minutes."""
@@ -361,9 +363,11 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir:
     if rss_scale >= 1:
         big = repeated(base, rss_scale)
         result["rss"] = {}
-        for encoder in ("reference", "gigatoken"):
-            run = run_preprocess(spec, big, 2, work_dir, sample_memory=True, encoder=encoder)
-            result["rss"][encoder] = {"peak_mb": run["peak_rss"] / 1e6, "text_mb": run["text_bytes"] / 1e6}
+        for workers in rss_workers:
+            for encoder in ("reference", "gigatoken"):
+                run = run_preprocess(spec, big, workers, work_dir, sample_memory=True, encoder=encoder)
+                result["rss"][f"-j{workers} --encoder {encoder}"] = {
+                    "peak_mb": run["peak_rss"] / 1e6, "text_mb": run["text_bytes"] / 1e6}
     if unique_mb >= 1:
         result["unique_words"] = unique_words_memory(spec, work_dir, unique_mb)
     return result
@@ -424,8 +428,8 @@ def print_report(result: dict) -> None:
         console.print(f"peak memory, preprocess -j2 --encoder gigatoken on {run['text_mb']:.0f} MB of unique words, "
                       f"workers {label} (--worker-memory-mb {run['worker_memory_mb']}): {run['peak_mb']:.0f} MB "
                       f"(largest process {run['kernel_max_rss_mb']:.0f} MB; {run['replaced_workers']} replaced)")
-    for encoder, rss in result.get("rss", {}).items():
-        console.print(f"peak memory (PSS of the process tree), preprocess -j2 --encoder {encoder}: "
+    for command, rss in result.get("rss", {}).items():
+        console.print(f"peak memory (PSS of the process tree), preprocess {command}: "
                       f"{rss['peak_mb']:.0f} MB for {rss['text_mb']:.0f} MB of text")
 
 
@@ -437,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None, help="Debian package cache")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rss-scale", type=int, default=10,
-                        help="peak memory of preprocess -j2 with each encoder on the corpus "
-                             "repeated N times (0: skip)")
+                        help="peak memory of preprocess (-j of --rss-workers) with each encoder on "
+                             "the corpus repeated N times (0: skip)")
+    parser.add_argument("--rss-workers", type=int, nargs="+", default=[2], metavar="N",
+                        help="--workers of the peak-memory runs (default 2; e.g. 1 2)")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=None,
                         help="which runs (default: all), in this order in every repeat")
     parser.add_argument("--text-scale", type=int, default=1,
@@ -449,11 +455,14 @@ def main(argv: list[str] | None = None) -> int:
                              "distinct words, with and without replacing grown workers (0: skip)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    if min(args.rss_workers) < 0:
+        parser.error("--rss-workers must be >= 0")
     for name in ("repeats", "text_scale"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     result = benchmark(args.tokenizer, args.work_dir, args.repeats, args.rss_scale,
-                       args.cache_dir, args.text_scale, args.runs, args.unique_words)
+                       args.cache_dir, args.text_scale, args.runs, args.unique_words,
+                       tuple(args.rss_workers))
     print_report(result)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
