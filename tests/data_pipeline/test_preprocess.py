@@ -145,6 +145,22 @@ def test_cli_writes_and_reports(tmp_path, corpus, capsys):
     assert len(read_documents(str(tmp_path / "cli"))) == 120
 
 
+def test_an_up_to_date_rerun_does_not_import_megatron(tmp_path, texts):
+    """Re-running a finished command decides "nothing to do" before megatron.core's import
+    (the writer's, ~9 CPU-s): in a fresh process, 0.35 s instead of ~9 s."""
+    import subprocess
+    import sys
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts[:5])
+    argv = ["-i", corpus, "-o", str(tmp_path / "x"), "-t", DEMO, "--append-eod", "-j", "0", "--no-progress"]
+    assert main(argv) == 0
+    code = ("import sys, data_pipeline.preprocess as p; rc = p.main(sys.argv[1:]); "
+            "print(rc, 'megatron.core' in sys.modules, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split()[-3:] == ["0", "False", "False"], (run.stdout, run.stderr)
+    assert "up to date" in run.stderr
+
+
 def test_same_tokenizer_by_another_path_is_up_to_date(tmp_path, texts):
     import shutil
 
