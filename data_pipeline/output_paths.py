@@ -10,6 +10,7 @@ dtype, and loads its encoders before the import, so their peak does not stack on
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -30,17 +31,20 @@ def strip_extension(path: str) -> str:
     return path[: -len(".idx")] if path.endswith((".bin", ".idx")) else path
 
 
+def dataset_paths(prefix: str) -> tuple[str, str]:
+    """The dataset's .idx and .bin (Megatron's get_idx_path/get_bin_path: prefix + ext)."""
+    return prefix + ".idx", prefix + ".bin"
+
+
 def output_exists(prefix: str) -> bool:
     """Either file of a dataset exists (complete or not): replacing it needs --overwrite."""
-    return os.path.exists(prefix + ".bin") or os.path.exists(prefix + ".idx")
+    return any(os.path.exists(path) for path in dataset_paths(prefix))
 
 
 def read_manifest(prefix: str) -> dict | None:
     """The manifest of a complete output at `prefix` (both files and the manifest present), or
     None if there is none."""
-    import json
-
-    if not all(os.path.isfile(path) for path in (prefix + ".idx", prefix + ".bin", manifest_path(prefix))):
+    if not all(os.path.isfile(path) for path in (*dataset_paths(prefix), manifest_path(prefix))):
         return None
     try:
         with open(manifest_path(prefix), encoding="utf-8") as f:
@@ -58,8 +62,8 @@ def token_dtype(vocab_size: int) -> type:
 
 
 def check_dataset_files(prefix: str) -> None:
-    """Fail if the dataset at `prefix` lacks its .idx or .bin (Megatron's names: prefix + ext)."""
-    for path in (prefix + ".idx", prefix + ".bin"):
+    """Fail if the dataset at `prefix` lacks its .idx or .bin."""
+    for path in dataset_paths(prefix):
         if not os.path.isfile(path):
             raise DatasetFileError(f"no dataset at prefix {prefix!r} ({path} not found); create it "
                                    "with python -m data_pipeline.preprocess")

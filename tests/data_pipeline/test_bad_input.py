@@ -350,8 +350,9 @@ def _refusals_before_megatron(tmp_path) -> list[tuple[str, list]]:
 
 def test_data_clis_refuse_before_importing_megatron(tmp_path):
     """A missing input (file or dataset), a missing output directory, a tokenizer that does
-    not load or an encoder that cannot encode it is refused before megatron.core's import (~9 CPU-s, the dataset reader and
-    writer's), in a fresh process: preprocess, merge and inspect."""
+    not load or an encoder that cannot encode it is refused before megatron.core's import
+    (~9 CPU-s, the dataset reader and writer's), in a fresh process: preprocess, merge and
+    inspect."""
     import subprocess
     import sys
 
