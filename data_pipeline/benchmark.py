@@ -37,11 +37,13 @@ same rate after start-up: without the CPU spent before the first document (alone
 preprocess: checks, loads, the probe, worker start), the rate a multi-TB input settles at.
 The probe's reference ids come from fast_encoders' cache after a tokenizer's first run, as
 for users.
-Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.2 s) in one
-extra run per encoder and --rss-workers count (default -j2) on the corpus repeated
---rss-scale times (0: skip), and with
---unique-words MB, on MB of random distinct words, with gigatoken's workers replaced as they
-grow (the default --worker-memory-mb) and never replaced.
+Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.2 s) in
+--rss-repeats extra runs (median; default 1) per encoder and --rss-workers count (default
+-j2) on the corpus repeated --rss-scale times (0: skip); with --rss-baseline CHECKOUT, also
+that checkout's preprocess, e.g. the tree the issue called "today's" (the commit before
+gigatoken, 9294f05: `git worktree add /tmp/before 9294f05`); and with --unique-words MB,
+on MB of random distinct words, with gigatoken's workers replaced as they grow (the
+default --worker-memory-mb) and never replaced.
 """
 
 from __future__ import annotations
@@ -173,9 +175,12 @@ class TreeMemorySampler:
 
 
 def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
-                   sample_memory: bool = False, encoder: str = "auto", extra: tuple[str, ...] = ()) -> dict:
+                   sample_memory: bool = False, encoder: str | None = "auto", extra: tuple[str, ...] = (),
+                   checkout: str = REPO) -> dict:
     """One CLI run; timing from its --summary-json, optionally the peak memory of its
-    process tree (sampling reads /proc smaps, so timed runs go without it)."""
+    process tree (sampling reads /proc smaps, so timed runs go without it). `checkout`:
+    the tree whose preprocess runs (another commit's, for --rss-baseline); `encoder` None
+    passes no --encoder (a tree from before it had none)."""
     prefix = os.path.join(work_dir, f"out-w{workers}")
     cli = ["-m", "data_pipeline.preprocess"]
     if workers == ONE_WORKER_PROCESS:  # -j1 as a worker process, as before IN_PROCESS_WORKERS
@@ -188,9 +193,9 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
     summary_path = prefix + ".summary.json"
     command = [sys.executable, *cli, "-i", corpus, "-o", prefix,
                "-t", spec, "--append-eod", "-j", str(workers), "--no-progress",
-               "--summary-json", summary_path, "--encoder", encoder, *extra]
+               "--summary-json", summary_path, *(["--encoder", encoder] if encoder else []), *extra]
     started = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(command, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sampler = TreeMemorySampler(proc.pid) if sample_memory else None
     err = proc.stderr.read()
     # wait4, not wait: the kernel's own peak RSS of the CLI and its workers comes with it.
@@ -210,8 +215,9 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
             "cpu_seconds": summary["main_cpu_seconds"] + summary["worker_cpu_seconds"],
             "worker_cpu_seconds": summary["worker_cpu_seconds"],
             "main_cpu_seconds": summary["main_cpu_seconds"],
-            "startup_cpu_seconds": summary["startup_cpu_seconds"],
-            "replaced_workers": summary["replaced_workers"],
+            # Absent from the summaries of trees before them (--rss-baseline).
+            "startup_cpu_seconds": summary.get("startup_cpu_seconds"),
+            "replaced_workers": summary.get("replaced_workers"),
             # The whole CLI with its workers, imports included (megatron.core's import, for
             # the output writer, is ~3.7 CPU-s of it, the same with either encoder).
             "cli_cpu_seconds": usage.ru_utime + usage.ru_stime}
@@ -336,7 +342,8 @@ def _medians(values: list[dict]) -> dict:
 
 def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir: str | None = None,
               text_scale: int = 1, keys: list[str] | None = None, unique_mb: int = 0,
-              rss_workers: tuple[int, ...] = (2,)) -> dict:
+              rss_workers: tuple[int, ...] = (2,), rss_repeats: int = 1,
+              rss_baseline: str | None = None) -> dict:
     """Every run of `keys` (default all of RUNS) `repeats` times, interleaved (a, b, ...,
     a, b, ...): on a shared machine, load drifts over minutes, so no variant gets all
     the quiet (or all the busy) minutes."""
@@ -361,16 +368,43 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir:
             result["runs"][key]["load_s"] = statistics.median(v["load_seconds"] for v in runs[key])
     result["ratios"] = _ratios(result["runs"])
     if rss_scale >= 1:
-        big = repeated(base, rss_scale)
-        result["rss"] = {}
-        for workers in rss_workers:
-            for encoder in ("reference", "gigatoken"):
-                run = run_preprocess(spec, big, workers, work_dir, sample_memory=True, encoder=encoder)
-                result["rss"][f"-j{workers} --encoder {encoder}"] = {
-                    "peak_mb": run["peak_rss"] / 1e6, "text_mb": run["text_bytes"] / 1e6}
+        result["rss"] = peak_memory(spec, repeated(base, rss_scale), work_dir, rss_workers,
+                                    rss_repeats, rss_baseline)
     if unique_mb >= 1:
         result["unique_words"] = unique_words_memory(spec, work_dir, unique_mb)
     return result
+
+
+def checkout_name(path: str) -> str:
+    """`path` and its commit, where git can say."""
+    try:
+        commit = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return path
+    return f"{path} ({commit})"
+
+
+def peak_memory(spec: str, corpus: str, work_dir: str, workers: tuple[int, ...], repeats: int = 1,
+                baseline: str | None = None) -> dict:
+    """Peak memory (PSS of the process tree) of preprocess at each worker count with each
+    encoder, the median of `repeats` runs each, interleaved; with `baseline`, also another
+    checkout's preprocess (its default encoder), e.g. the commit before gigatoken: "peak
+    memory as today's" in issue 26 is that tree's."""
+    variants = [(f"--encoder {encoder}", encoder, REPO) for encoder in ("reference", "gigatoken")]
+    if baseline:
+        variants.append((f"at {checkout_name(baseline)}", None, baseline))
+    peaks: dict[str, list[float]] = {}
+    text_mb = {}
+    for _ in range(repeats):
+        for count in workers:
+            for label, encoder, checkout in variants:
+                run = run_preprocess(spec, corpus, count, work_dir, sample_memory=True, encoder=encoder,
+                                     checkout=checkout)
+                peaks.setdefault(f"-j{count} {label}", []).append(run["peak_rss"] / 1e6)
+                text_mb[f"-j{count} {label}"] = run["text_bytes"] / 1e6
+    return {key: {"peak_mb": statistics.median(values), "all_peak_mb": [round(v) for v in values],
+                  "text_mb": text_mb[key]} for key, values in peaks.items()}
 
 
 def _ratios(runs: dict) -> dict:
@@ -429,8 +463,10 @@ def print_report(result: dict) -> None:
                       f"workers {label} (--worker-memory-mb {run['worker_memory_mb']}): {run['peak_mb']:.0f} MB "
                       f"(largest process {run['kernel_max_rss_mb']:.0f} MB; {run['replaced_workers']} replaced)")
     for command, rss in result.get("rss", {}).items():
+        runs = rss.get("all_peak_mb", [])
         console.print(f"peak memory (PSS of the process tree), preprocess {command}: "
-                      f"{rss['peak_mb']:.0f} MB for {rss['text_mb']:.0f} MB of text")
+                      f"{rss['peak_mb']:.0f} MB for {rss['text_mb']:.0f} MB of text"
+                      + (f" (median of {' '.join(map(str, runs))})" if len(runs) > 1 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                              "the corpus repeated N times (0: skip)")
     parser.add_argument("--rss-workers", type=int, nargs="+", default=[2], metavar="N",
                         help="--workers of the peak-memory runs (default 2; e.g. 1 2)")
+    parser.add_argument("--rss-repeats", type=int, default=1, metavar="N",
+                        help="peak-memory runs per variant (the median is reported; default 1)")
+    parser.add_argument("--rss-baseline", default=None, metavar="CHECKOUT",
+                        help="also the peak memory of the preprocess in this checkout of another "
+                             "commit (e.g. a `git worktree` of the one before gigatoken), run from "
+                             "it with its default encoder")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=None,
                         help="which runs (default: all), in this order in every repeat")
     parser.add_argument("--text-scale", type=int, default=1,
@@ -457,12 +499,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.rss_workers) < 0:
         parser.error("--rss-workers must be >= 0")
-    for name in ("repeats", "text_scale"):
+    if args.rss_baseline and not os.path.isfile(os.path.join(args.rss_baseline, "data_pipeline", "preprocess.py")):
+        parser.error(f"--rss-baseline {args.rss_baseline!r} is not a checkout of this repository "
+                     "(no data_pipeline/preprocess.py); make one with `git worktree add DIR COMMIT`")
+    for name in ("repeats", "text_scale", "rss_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     result = benchmark(args.tokenizer, args.work_dir, args.repeats, args.rss_scale,
                        args.cache_dir, args.text_scale, args.runs, args.unique_words,
-                       tuple(args.rss_workers))
+                       tuple(args.rss_workers), args.rss_repeats, args.rss_baseline)
     print_report(result)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

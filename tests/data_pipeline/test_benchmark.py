@@ -80,3 +80,28 @@ def test_gigatoken_reading_the_jsonl_itself_counts_the_same_tokens(tmp_path, tex
     from_file = tokenizer_alone(spec, corpus, 1, "jsonl")
     assert from_file["tokens"] == in_memory["tokens"] > 0
     assert from_file["text_bytes"] == in_memory["text_bytes"] == sum(len(t.encode()) for t in texts[:30])
+
+
+@pytest.mark.slow
+def test_peak_memory_runs_another_checkouts_preprocess(tmp_path, texts):
+    """--rss-baseline: the other checkout's own preprocess runs (from its tree, with no
+    --encoder, which trees before gigatoken lack), beside this tree's with each encoder."""
+    import shutil
+
+    from data_pipeline.benchmark import REPO, peak_memory
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts[:20])
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(REPO, "data_pipeline"), other / "data_pipeline",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    # Marks the copy: a run from REPO's tree would not leave the file.
+    with open(other / "data_pipeline" / "__init__.py", "a", encoding="utf-8") as f:
+        f.write(f"\nopen({str(tmp_path / 'ran-from-copy')!r}, 'w').close()\n")
+    spec = os.path.join(REPO, "data_pipeline", "assets", "demo_sp.model")  # gigatoken encodes it
+    result = peak_memory(spec, corpus, str(tmp_path), (1,), repeats=1, baseline=str(other))
+    assert set(result) == {"-j1 --encoder reference", "-j1 --encoder gigatoken", f"-j1 at {other}"}
+    assert (tmp_path / "ran-from-copy").exists()
+    size = sum(len(t.encode()) for t in texts[:20]) / 1e6
+    for row in result.values():
+        assert row["text_mb"] == pytest.approx(size) and row["peak_mb"] > 10
+        assert len(row["all_peak_mb"]) == 1
