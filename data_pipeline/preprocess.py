@@ -43,8 +43,13 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 # A worker that grew by more is replaced (workers.retire_after): gigatoken's cache of encoded
 # pieces only grows. Real text grows it slowly (Llama-3's tokenizer: +62 MiB over the 108 MB
-# Debian corpus, levelling off), random distinct words by ~6.5 MB per MB of text.
-DEFAULT_WORKER_MEMORY_MB = 256
+# Debian corpus, levelling off; Mistral's SentencePiece ~150 MiB), random distinct words by
+# ~6.5 MB per MB of text. A worker process is replaced by a fork (milliseconds): at 64 MiB,
+# Mistral -j2 on that corpus peaked at 587 MB against 672 at 256, same MB per CPU-second (3
+# runs each; Llama-3's workers never reach 64). Where the main process encodes (-j0/-j1) a
+# replacement reloads the encoder (Llama-3's: ~0.6 CPU-s), so it is left more room there.
+DEFAULT_WORKER_MEMORY_MB = 64
+DEFAULT_INLINE_MEMORY_MB = 256
 MAX_EXAMPLES = 10  # bad records quoted in the summary
 # --workers up to this tokenise in the main process. One worker process beside a main process
 # that only reads ranges and writes ids cost Llama-3 9% more CPU (Mistral 3%) for 1-2% in wall
@@ -83,6 +88,7 @@ class RunSummary:
     # CPU seconds of this process before the first chunk (checks, tokenizer and encoder
     # loads, the encoder probe, starting workers): the part that does not grow with the input.
     startup_cpu_seconds: float = 0.0
+    worker_memory_mb: int | None = None  # the --worker-memory-mb used (None: nothing to encode)
 
     def total(self, name: str) -> int:
         return sum(getattr(o, name) for o in self.outputs if not o.up_to_date)
@@ -98,6 +104,7 @@ class RunSummary:
                 "worker_cpu_seconds": self.worker_cpu_seconds,
                 "replaced_workers": self.replaced_workers,
                 "startup_cpu_seconds": self.startup_cpu_seconds,
+                "worker_memory_mb": self.worker_memory_mb,
                 "skipped": dict(self.skipped),
                 "outputs": [{"prefix": o.prefix, "up_to_date": o.up_to_date,
                              "documents": o.documents, "tokens": o.tokens} for o in self.outputs]}
@@ -168,7 +175,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = False,
                max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, encoder: str = "auto",
                segments: list | None = None, console=None,
-               worker_memory_mb: int = DEFAULT_WORKER_MEMORY_MB) -> RunSummary:
+               worker_memory_mb: int | None = None) -> RunSummary:
     """Tokenise `inputs` into indexed dataset(s); see the module docstring.
 
     Every check that can fail fast (inputs, outputs, tokenizer, encoder) runs before
@@ -177,7 +184,9 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
     TokenizerLoadError (EncoderUnavailable) or PreprocessError naming the problem.
     `segments` (shares.Segment, indices into the resolved inputs; with output_prefix):
     tokenise only those records, as one task of preprocess_slurm does. `worker_memory_mb`:
-    a worker whose memory grew by more is replaced after its chunk (workers.retire_after).
+    a worker whose memory grew by more is replaced after its chunk (workers.retire_after);
+    None: DEFAULT_WORKER_MEMORY_MB for worker processes, DEFAULT_INLINE_MEMORY_MB where this
+    process encodes.
     """
     from rich.console import Console
 
@@ -198,7 +207,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         raise PreprocessError(f"--chunk-bytes must be >= 1, got {chunk_bytes}")
     if max_document_bytes < 1:
         raise PreprocessError(f"--max-document-bytes must be >= 1, got {max_document_bytes}")
-    if worker_memory_mb < 1:
+    if worker_memory_mb is not None and worker_memory_mb < 1:
         raise PreprocessError(f"--worker-memory-mb must be >= 1, got {worker_memory_mb}")
     sources = resolve_inputs(inputs)
     jobs = plan_outputs(sources, output_prefix, output_dir)
@@ -234,9 +243,12 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         if encoding is not tok:  # before workers fork: they would share its tables for nothing
             tok.release_tables()
             return_freed_memory()
+        n_workers = _available_cpus() if workers is None else workers
+        if worker_memory_mb is None:
+            worker_memory_mb = (DEFAULT_WORKER_MEMORY_MB if n_workers > IN_PROCESS_WORKERS
+                                else DEFAULT_INLINE_MEMORY_MB)
         config = WorkerConfig(text_field, dtype.__name__, tok.eod if append_eod else None,
                               skip_bad_records, max_document_bytes, worker_memory_mb << 20)
-        n_workers = _available_cpus() if workers is None else workers
         pool = (WorkerPool(config, encoding, n_workers, chunk_bytes=chunk_bytes)
                 if n_workers > IN_PROCESS_WORKERS else InlinePool(config, encoding))
         try:
@@ -265,7 +277,7 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         replaced, startup_cpu = 0, time.process_time() - cpu_start
     return RunSummary(stats, time.perf_counter() - start, dtype.__name__,
                       time.process_time() - cpu_start, _children_cpu() - children_start, replaced,
-                      startup_cpu)
+                      startup_cpu, worker_memory_mb)
 
 
 def _children_cpu() -> float:
@@ -400,8 +412,9 @@ def print_summary(console, summary: RunSummary) -> None:
                   f"{summary.main_cpu_seconds:.1f} s main, {summary.worker_cpu_seconds:.1f} s "
                   "workers)")
     if summary.replaced_workers:
-        console.print(f"{summary.replaced_workers:,} times a worker outgrew --worker-memory-mb and was "
-                      "replaced (gigatoken's cache of encoded pieces only grows)")
+        console.print(f"{summary.replaced_workers:,} times a worker outgrew --worker-memory-mb "
+                      f"{summary.worker_memory_mb} and was replaced (gigatoken's cache of encoded "
+                      "pieces only grows)")
     skipped = summary.skipped
     if skipped:
         kinds = ", ".join(f"{n:,} {kind}" for kind, n in sorted(skipped.items()))
@@ -439,10 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-document-bytes", type=positive_int, default=DEFAULT_MAX_DOCUMENT_BYTES,
                         help="longer documents are bad records: tokenising one holds it whole, at many times "
                              f"its size in memory (default {DEFAULT_MAX_DOCUMENT_BYTES >> 20} MiB)")
-    parser.add_argument("--worker-memory-mb", type=positive_int, default=DEFAULT_WORKER_MEMORY_MB,
+    parser.add_argument("--worker-memory-mb", type=positive_int, default=None,
                         help="replace a worker once its memory has grown by this many MiB (gigatoken "
-                             "caches every piece it encodes; default %(default)s; with -j0/-j1 the "
-                             "encoder is reloaded instead)")
+                             f"caches every piece it encodes; default {DEFAULT_WORKER_MEMORY_MB}; with "
+                             "-j0/-j1 the encoder is reloaded instead, default "
+                             f"{DEFAULT_INLINE_MEMORY_MB})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--summary-json", metavar="PATH",
                         help="also write the summary as JSON (for scripts and benchmarks)")

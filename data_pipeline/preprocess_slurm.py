@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline.checks import positive_int
-from data_pipeline.preprocess import DEFAULT_MAX_DOCUMENT_BYTES, DEFAULT_WORKER_MEMORY_MB, PreprocessError
+from data_pipeline.preprocess import DEFAULT_MAX_DOCUMENT_BYTES, PreprocessError
 from data_pipeline.sources import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,8 +234,9 @@ def run_task(plan_path: str, index: int) -> int:
                          workers=options["workers"], skip_bad_records=options["skip_bad_records"],
                          overwrite=True, max_document_bytes=options["max_document_bytes"],
                          encoder=options["encoder"], segments=segments,
-                         # plans written before the option existed: its default
-                         worker_memory_mb=options.get("worker_memory_mb", DEFAULT_WORKER_MEMORY_MB))
+                         # None (not given, or a plan from before the option): preprocess's
+                         # default for the task's worker count
+                         worker_memory_mb=options.get("worker_memory_mb"))
     _stamp_shard(prefix, _shard_identity(plan, index))
     from rich.console import Console
 
@@ -309,8 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-records", action="store_true")
     p.add_argument("--max-document-bytes", type=positive_int, default=DEFAULT_MAX_DOCUMENT_BYTES)
     p.add_argument("--encoder", choices=("auto", "reference", "gigatoken"), default="auto")
-    p.add_argument("--worker-memory-mb", type=positive_int, default=DEFAULT_WORKER_MEMORY_MB,
-                   help="as for data_pipeline.preprocess: a worker grown by more is replaced")
+    p.add_argument("--worker-memory-mb", type=positive_int, default=None,
+                   help="as for data_pipeline.preprocess: a worker grown by more is replaced "
+                        "(default: preprocess's for the task's --workers)")
     p.add_argument("--workers", type=nonnegative_int, default=None,
                    help="tokenising processes per task (default: --cpus-per-task)")
     p.add_argument("--cpus-per-task", type=positive_int, default=1)

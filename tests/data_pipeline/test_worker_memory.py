@@ -152,3 +152,18 @@ print(before - resident_bytes())
         assert int(released) > 20e6, f"only {int(released) / 1e6:.1f} MB of 25 went back"
     else:  # the glibc behaviour the pin is for (if this fails, glibc changed: README, workers)
         assert int(released) < 5e6, f"{int(released) / 1e6:.1f} MB went back without the pin"
+
+
+def test_the_default_limit_depends_on_who_encodes(tmp_path, corpus):
+    """Worker processes are replaced by a fork (cheap): 64 MiB by default. Where the main
+    process encodes (-j0/-j1), a replacement reloads the encoder: 256. Given, it is used."""
+    from data_pipeline.preprocess import DEFAULT_INLINE_MEMORY_MB, DEFAULT_WORKER_MEMORY_MB
+
+    assert (DEFAULT_WORKER_MEMORY_MB, DEFAULT_INLINE_MEMORY_MB) == (64, 256)
+    used = {}
+    for name, workers, limit in (("j0", 0, None), ("j1", 1, None), ("j2", 2, None), ("given", 2, 100)):
+        summary = preprocess([corpus], tokenizer="byte", output_prefix=str(tmp_path / name),
+                             workers=workers, worker_memory_mb=limit)
+        used[name] = summary.worker_memory_mb
+        assert summary.to_json()["worker_memory_mb"] == used[name]
+    assert used == {"j0": 256, "j1": 256, "j2": 64, "given": 100}
