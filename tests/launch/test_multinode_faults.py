@@ -13,7 +13,10 @@ tests/launch/test_multinode.py covers two ranks per node:
       never used: the requeued job resumes from the one before, bitwise as in (a);
   (b) network cut: node 2's link goes down while the ranks wait in a collective -> the hang
       watchdog ends them (watchdog.timeout_s=20) -> requeue -> resume bitwise; the link comes
-      back while the job trains elsewhere: nothing of the old attempt survives or writes;
+      back while the job trains elsewhere: nothing of the old attempt survives or writes. Cut
+      right after a save, so it lands in one of the two steps before the next one: a save is
+      not timed by the watchdog, and a cut landing in it was found by Slurm instead (~30 s);
+      one did, with the strike after step 3 of 0.1-0.5 s steps;
   (c) preemption: USR1 to the batch script -> every rank on both nodes saves -> requeue -> resume;
   (d) one rank killed on a healthy node -> the job fails once (FAILED, not requeued), and the
       script's log names the failed task (rank) and its host;
@@ -80,6 +83,17 @@ def _last_step(run_dir: Path) -> int:
     return max((r["step"] for r in _records(run_dir)), default=0)
 
 
+def _just_saved(run_dir: Path) -> bool:
+    """The last logged step (past the first save) is the last complete checkpoint: the run is
+    in the steps (timed by the watchdog) between two saves (not timed)."""
+    last = _last_step(run_dir)
+    try:
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except OSError:
+        return False
+    return last >= 2 * SAVE_EVERY and latest == f"step_{last:08d}"
+
+
 def _nodes_of(name: str, job_id: str, env: dict) -> list[str]:
     """The nodes of a job that must still be running: a job struck after it ended would hit
     nodes that another job may hold by then."""
@@ -142,6 +156,8 @@ def faults(cluster, tmp_path_factory):
             if _last_step(run_dir) <= SAVE_EVERY or not (run_dir / "checkpoints" / "latest").exists():
                 continue
             if name == "save" and not list((run_dir / "checkpoints").glob(".tmp.step_*")):
+                continue
+            if name == "cut" and not _just_saved(run_dir):
                 continue
             times[name]["struck_after_step"] = _last_step(run_dir)
             if name in ("crash", "save", "elastic"):
