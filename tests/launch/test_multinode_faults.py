@@ -83,15 +83,12 @@ def _last_step(run_dir: Path) -> int:
     return max((r["step"] for r in _records(run_dir)), default=0)
 
 
-def _just_saved(run_dir: Path) -> bool:
-    """The last logged step (past the first save) is the last complete checkpoint: the run is
-    in the steps (timed by the watchdog) between two saves (not timed)."""
-    last = _last_step(run_dir)
-    try:
-        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    except OSError:
-        return False
-    return last >= 2 * SAVE_EVERY and latest == f"step_{last:08d}"
+def _just_saved(run_dir: Path, last: int) -> bool:
+    """The last logged step `last` (past the first save) is the last complete checkpoint: the
+    run is in the steps (timed by the watchdog) between two saves (not timed)."""
+    from pretrain.checkpointing.format import read_latest, step_dir_name
+
+    return last >= 2 * SAVE_EVERY and read_latest(run_dir / "checkpoints") == step_dir_name(last)
 
 
 def _nodes_of(name: str, job_id: str, env: dict) -> list[str]:
@@ -153,13 +150,14 @@ def faults(cluster, tmp_path_factory):
         assert time.monotonic() < deadline, {n: describe(jobs[n][1]) for n in pending}
         for name in sorted(pending):
             job_id, run_dir = jobs[name]
-            if _last_step(run_dir) <= SAVE_EVERY or not (run_dir / "checkpoints" / "latest").exists():
+            last = _last_step(run_dir)
+            if last <= SAVE_EVERY or not (run_dir / "checkpoints" / "latest").exists():
                 continue
             if name == "save" and not list((run_dir / "checkpoints").glob(".tmp.step_*")):
                 continue
-            if name == "cut" and not _just_saved(run_dir):
+            if name == "cut" and not _just_saved(run_dir, last):
                 continue
-            times[name]["struck_after_step"] = _last_step(run_dir)
+            times[name]["struck_after_step"] = last
             if name in ("crash", "save", "elastic"):
                 victim = _nodes_of(name, job_id, env)[1]
                 ci_multinode.crash_node(layout, int(victim.removeprefix("mn")))
