@@ -37,7 +37,7 @@ same rate after start-up: without the CPU spent before the first document (alone
 preprocess: checks, loads, the probe, worker start), the rate a multi-TB input settles at.
 The probe's reference ids come from fast_encoders' cache after a tokenizer's first run, as
 for users.
-Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.2 s) in
+Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.05 s) in
 --rss-repeats extra runs (median; default 1) per encoder and --rss-workers count (default
 -j2) on the corpus repeated --rss-scale times (0: skip); with --rss-baseline CHECKOUT, also
 that checkout's preprocess, e.g. the tree the issue called "today's" (the commit before
@@ -176,11 +176,12 @@ class TreeMemorySampler:
 
 def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
                    sample_memory: bool = False, encoder: str | None = "auto", extra: tuple[str, ...] = (),
-                   checkout: str = REPO) -> dict:
+                   checkout: str = REPO, sample_interval: float = 0.2) -> dict:
     """One CLI run; timing from its --summary-json, optionally the peak memory of its
     process tree (sampling reads /proc smaps, so timed runs go without it). `checkout`:
     the tree whose preprocess runs (another commit's, for --rss-baseline); `encoder` None
-    passes no --encoder (a tree from before it had none)."""
+    passes no --encoder (a tree from before it had none); `sample_interval`: seconds between
+    samples (a run on a small corpus is over in ~0.2 s)."""
     prefix = os.path.join(work_dir, f"out-w{workers}")
     cli = ["-m", "data_pipeline.preprocess"]
     if workers == ONE_WORKER_PROCESS:  # -j1 as a worker process, as before IN_PROCESS_WORKERS
@@ -196,7 +197,7 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
                "--summary-json", summary_path, *(["--encoder", encoder] if encoder else []), *extra]
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sampler = TreeMemorySampler(proc.pid) if sample_memory else None
+    sampler = TreeMemorySampler(proc.pid, sample_interval) if sample_memory else None
     err = proc.stderr.read()
     # wait4, not wait: the kernel's own peak RSS of the CLI and its workers comes with it.
     _, status, usage = os.wait4(proc.pid, 0)
@@ -210,7 +211,8 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
         summary = json.load(f)
     return {"seconds": summary["seconds"], "text_bytes": summary["text_bytes"],
             "tokens": summary["tokens"], "cli_wall_seconds": wall, "peak_rss": peak,
-            # Largest single process of the tree, as the kernel counted it (ru_maxrss, KiB).
+            # Largest single process of the tree, as the kernel counted it (ru_maxrss, KiB; it
+            # includes this process's RSS at the fork, before the CLI's exec).
             "kernel_max_rss": usage.ru_maxrss * 1024,
             "cpu_seconds": summary["main_cpu_seconds"] + summary["worker_cpu_seconds"],
             "worker_cpu_seconds": summary["worker_cpu_seconds"],
@@ -218,8 +220,8 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
             # Absent from the summaries of trees before them (--rss-baseline).
             "startup_cpu_seconds": summary.get("startup_cpu_seconds"),
             "replaced_workers": summary.get("replaced_workers"),
-            # The whole CLI with its workers, imports included (megatron.core's import, for
-            # the output writer, is ~3.7 CPU-s of it, the same with either encoder).
+            # The whole CLI with its workers, imports included (trees before index_file also
+            # imported megatron.core for the output writer: ~3.7-9 CPU-s, either encoder).
             "cli_cpu_seconds": usage.ru_utime + usage.ru_stime}
 
 
@@ -298,6 +300,11 @@ def _rate(run: dict) -> tuple[float, float]:
     return run["text_bytes"] / run["seconds"] / 1e6, run["tokens"] / run["seconds"]
 
 
+# Seconds between samples of the peak-memory runs (not timed, so sampling's CPU is no cost):
+# without megatron.core's import a run on 100 MB lasts a few seconds, and a peak lasts as long
+# as a chunk's encode; at 0.2 s the samples missed some (Llama-3 -j2 peaks read 605-648 MB at
+# 0.2 s against 631-632 at 0.05, README).
+RSS_SAMPLE_INTERVAL = 0.05
 ONE_WORKER_PROCESS = -1  # RUNS' workers for b1: -j1 with a worker process beside the main one
 # key: (what, encoder, processes or workers, threads, description)
 RUNS = {
@@ -386,7 +393,7 @@ def checkout_name(path: str) -> str:
 
 
 def peak_memory(spec: str, corpus: str, work_dir: str, workers: tuple[int, ...], repeats: int = 1,
-                baseline: str | None = None) -> dict:
+                baseline: str | None = None, sample_interval: float = RSS_SAMPLE_INTERVAL) -> dict:
     """Peak memory (PSS of the process tree) of preprocess at each worker count with each
     encoder, the median of `repeats` runs each, interleaved; with `baseline`, also another
     checkout's preprocess (its default encoder), e.g. the commit before gigatoken: "peak
@@ -400,7 +407,7 @@ def peak_memory(spec: str, corpus: str, work_dir: str, workers: tuple[int, ...],
         for count in workers:
             for label, encoder, checkout in variants:
                 run = run_preprocess(spec, corpus, count, work_dir, sample_memory=True, encoder=encoder,
-                                     checkout=checkout)
+                                     checkout=checkout, sample_interval=sample_interval)
                 peaks.setdefault(f"-j{count} {label}", []).append(run["peak_rss"] / 1e6)
                 text_mb[f"-j{count} {label}"] = run["text_bytes"] / 1e6
     return {key: {"peak_mb": statistics.median(values), "all_peak_mb": [round(v) for v in values],

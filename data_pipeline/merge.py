@@ -61,11 +61,8 @@ def merge(inputs: list[str], output_prefix: str, *, overwrite: bool = False,
         except DatasetFileError as exc:
             raise MergeError(str(exc)) from None
 
-    from data_pipeline.indexed_writer import (
-        AtomicIndexedDataset,
-        StreamingConcatBuilder,
-        open_index,
-    )
+    from data_pipeline.index_file import AtomicIndexedDataset
+    from data_pipeline.indexed_writer import StreamingConcatBuilder, open_index
     from data_pipeline.output_paths import output_exists, read_manifest
 
     dtypes, tokenizers, documents, tokens = {}, {}, 0, 0

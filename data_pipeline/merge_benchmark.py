@@ -27,7 +27,7 @@ import numpy as np
 
 
 def write_shards(directory: str, documents: int, shards: int, seed: int = 0) -> list[str]:
-    from data_pipeline.indexed_writer import CompactIndexedDatasetBuilder
+    from data_pipeline.index_file import CompactIndexedDatasetBuilder
 
     rng = np.random.default_rng(seed)
     prefixes = []

@@ -1,12 +1,11 @@
 """What the data CLIs check about their outputs before any work, without Megatron-Core.
 
-`indexed_writer` writes and reads the files through megatron.core, whose import takes
-~9 CPU-s (torch and the package's __init__); the CLIs' refusals of a bad output
-directory, a missing input dataset or a tokenizer that does not load come from here and the
-other light modules first (preprocess, merge, inspect), so they arrive in about a second,
-before that import. preprocess also decides here which outputs are finished and their ids'
-dtype, and loads its encoders before the import, so their peak does not stack on it.
-"""
+`indexed_writer` reads datasets through megatron.core, whose import takes ~4.5-9 CPU-s
+(torch and the package's __init__); the CLIs' refusals of a bad output directory, a
+missing input dataset or a tokenizer that does not load come from here and the other light
+modules first (preprocess, merge, inspect), so they arrive in about a second, before that
+import. preprocess also decides here which outputs are finished and their ids' dtype, and
+writes them without the import at all (`index_file`)."""
 
 from __future__ import annotations
 

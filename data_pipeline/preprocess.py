@@ -15,7 +15,7 @@ does (one worker process beside it only added the hand-over: see IN_PROCESS_WORK
 Streaming: the main process cuts inputs into ~1 MiB chunks, at most 3 per
 worker are in flight, and results are written in input order, so memory does
 not grow with input size (besides 12 bytes per document for the index).
-Outputs appear atomically (see indexed_writer); re-running the same command
+Outputs appear atomically (see index_file); re-running the same command
 skips outputs that are complete, and after a crash rewrites them byte for byte.
 """
 
@@ -252,15 +252,6 @@ def preprocess(inputs: list[str], *, tokenizer: str, output_prefix: str | None =
         pool = (WorkerPool(config, encoding, n_workers, chunk_bytes=chunk_bytes)
                 if n_workers > IN_PROCESS_WORKERS else InlinePool(config, encoding))
         try:
-            # Only now megatron.core, for the writer: its import (~9 CPU-s) would delay every
-            # refusal above (an --encoder that cannot encode the tokenizer included), and
-            # gigatoken's load above (~100 MiB at its peak for Llama-3's) no longer stacks on
-            # its ~300 MiB: -j1's peak 539 -> 493 MiB. Forked workers share none of it. A
-            # cost of the process, not of the run: kept out of the summary's times.
-            wall, cpu = time.perf_counter(), time.process_time()
-            import data_pipeline.indexed_writer  # noqa: F401
-
-            start, cpu_start = start + time.perf_counter() - wall, cpu_start + time.process_time() - cpu
             startup_cpu = time.process_time() - cpu_start
             with byte_progress(console, progress) as bar:
                 total = sum(s.size for _, job, _ in todo for s in job.sources)
@@ -308,7 +299,7 @@ def _write_output(job: _Job, request: dict, tokenizer_spec: str, dtype, pool, ch
 
 def _stream_and_commit(job: _Job, request: dict, tokenizer_spec: str, dtype, pool, chunk_bytes: int,
                        bar, task, earlier: list[OutputStats], stats: OutputStats) -> OutputStats:
-    from data_pipeline.indexed_writer import AtomicIndexedDataset
+    from data_pipeline.index_file import AtomicIndexedDataset
 
     with AtomicIndexedDataset(job.prefix, dtype) as out:
         pending, next_seq, submitted = {}, 0, 0

@@ -216,8 +216,8 @@ class InlinePool:
         self._config = config
         self._tokenizer = tokenizer
         self._done: list[ChunkResult] = []
-        # Taken at the first chunk: what the caller loads after making the pool (preprocess
-        # imports megatron.core's writer then) is not the encoder's growth.
+        # Taken at the first chunk: what the caller allocates after making the pool (the
+        # progress bar, the output's writer) is not the encoder's growth.
         self._baseline: int | None = None
         self.replaced = 0  # times the encoder was reloaded to empty its cache (retire_after)
 

@@ -11,9 +11,10 @@ import time
 import psutil
 import pytest
 
-from data_pipeline import indexed_writer
+from data_pipeline import index_file
 from data_pipeline.checks import WorkFailed
-from data_pipeline.indexed_writer import AtomicIndexedDataset, OutputError
+from data_pipeline.index_file import AtomicIndexedDataset
+from data_pipeline.output_paths import OutputError
 from data_pipeline.preprocess import preprocess
 from tests.data_pipeline.conftest import kjv_texts, output_files, read_documents, write_jsonl
 from tests.distributed import ModuleProcess, run_module
@@ -72,10 +73,10 @@ def test_crash_between_renames_leaves_nothing_valid(tmp_path, monkeypatch, texts
         real_replace(src, dst)
 
     corpus2 = write_jsonl(tmp_path / "in.jsonl", texts[20:30])  # new content, same path
-    monkeypatch.setattr(indexed_writer.os, "replace", crash_on_second_rename)
+    monkeypatch.setattr(index_file.os, "replace", crash_on_second_rename)
     with pytest.raises(WorkFailed, match="simulated crash"):
         preprocess([corpus2], tokenizer="byte", output_prefix=prefix, workers=0, overwrite=True)
-    monkeypatch.setattr(indexed_writer.os, "replace", real_replace)
+    monkeypatch.setattr(index_file.os, "replace", real_replace)
     # The new .bin landed but the old .idx was removed first: no mismatched valid pair.
     assert not os.path.exists(prefix + ".idx")
     assert open(prefix + ".bin", "rb").read() != old_bin
@@ -86,7 +87,7 @@ def test_crash_between_renames_leaves_nothing_valid(tmp_path, monkeypatch, texts
 def test_interrupt_removes_temporaries(tmp_path, monkeypatch, texts):
     corpus = write_jsonl(tmp_path / "in.jsonl", texts)
     (tmp_path / "out").mkdir()
-    real_add = indexed_writer.CompactIndexedDatasetBuilder.add_documents
+    real_add = index_file.CompactIndexedDatasetBuilder.add_documents
     calls = []
 
     def interrupt_later(self, tokens, lengths):
@@ -95,7 +96,7 @@ def test_interrupt_removes_temporaries(tmp_path, monkeypatch, texts):
             raise KeyboardInterrupt
         real_add(self, tokens, lengths)
 
-    monkeypatch.setattr(indexed_writer.CompactIndexedDatasetBuilder, "add_documents",
+    monkeypatch.setattr(index_file.CompactIndexedDatasetBuilder, "add_documents",
                         interrupt_later)
     with pytest.raises(KeyboardInterrupt):
         preprocess([corpus], tokenizer="byte", output_prefix=str(tmp_path / "out" / "x"),

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from data_pipeline.indexed_writer import OutputError
+from data_pipeline.output_paths import OutputError
 from data_pipeline.preprocess import PreprocessError, preprocess
 from data_pipeline.sources import InputError
 from data_pipeline.tokenizers import TokenizerLoadError

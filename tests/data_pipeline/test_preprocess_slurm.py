@@ -116,7 +116,8 @@ def test_streaming_merge_writes_megatrons_bytes_with_small_blocks(tmp_path, monk
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     from data_pipeline import indexed_writer
-    from data_pipeline.indexed_writer import CompactIndexedDatasetBuilder, StreamingConcatBuilder
+    from data_pipeline.index_file import CompactIndexedDatasetBuilder
+    from data_pipeline.indexed_writer import StreamingConcatBuilder
 
     monkeypatch.setattr(indexed_writer, "MERGE_BLOCK_ENTRIES", 7)
     rng = np.random.default_rng(0)
