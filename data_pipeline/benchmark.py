@@ -182,7 +182,11 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
     the tree whose preprocess runs (another commit's, for --rss-baseline); `encoder` None
     passes no --encoder (a tree from before it had none); `sample_interval`: seconds between
     samples (a run on a small corpus is over in ~0.2 s)."""
-    prefix = os.path.join(work_dir, f"out-w{workers}")
+    from data_pipeline.tokenizers import absolute_spec
+
+    # Absolute paths: the CLI runs in `checkout`, not in this process's directory.
+    spec, corpus, prefix = absolute_spec(spec), os.path.abspath(corpus), os.path.abspath(
+        os.path.join(work_dir, f"out-w{workers}"))
     cli = ["-m", "data_pipeline.preprocess"]
     if workers == ONE_WORKER_PROCESS:  # -j1 as a worker process, as before IN_PROCESS_WORKERS
         cli = ["-c", "import sys, data_pipeline.preprocess as p; p.IN_PROCESS_WORKERS = 0; "

@@ -98,7 +98,9 @@ def test_peak_memory_runs_another_checkouts_preprocess(tmp_path, texts):
     # Marks the copy: a run from REPO's tree would not leave the file.
     with open(other / "data_pipeline" / "__init__.py", "a", encoding="utf-8") as f:
         f.write(f"\nopen({str(tmp_path / 'ran-from-copy')!r}, 'w').close()\n")
-    spec = os.path.join(REPO, "data_pipeline", "assets", "demo_sp.model")  # gigatoken encodes it
+    # gigatoken encodes it; given relative to this process's directory, where `other` has none
+    shutil.copy(os.path.join(REPO, "data_pipeline", "assets", "demo_sp.model"), tmp_path / "tok.model")
+    spec = os.path.relpath(tmp_path / "tok.model")
     result = peak_memory(spec, corpus, str(tmp_path), (1,), repeats=1, baseline=str(other),
                          sample_interval=0.01)  # each run takes ~0.3 s
     assert set(result) == {"-j1 --encoder reference", "-j1 --encoder gigatoken", f"-j1 at {other}"}
