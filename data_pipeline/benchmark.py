@@ -41,7 +41,9 @@ Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.05 s
 --rss-repeats extra runs (median; default 1) per encoder and --rss-workers count (default
 -j2) on the corpus repeated --rss-scale times (0: skip); with --rss-baseline CHECKOUT, also
 that checkout's preprocess, e.g. the tree the issue called "today's" (the commit before
-gigatoken, 9294f05: `git worktree add /tmp/before 9294f05`); and with --unique-words MB,
+gigatoken, 9294f05: `git worktree add /tmp/before 9294f05`); with --rss-worker-memory-mb
+MB ..., gigatoken at each --worker-memory-mb (peak, MB per CPU-second, workers replaced: the
+trade behind its defaults); and with --unique-words MB,
 on MB of random distinct words, with gigatoken's workers replaced as they grow (the
 default --worker-memory-mb) and never replaced.
 """
@@ -354,7 +356,7 @@ def _medians(values: list[dict]) -> dict:
 def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir: str | None = None,
               text_scale: int = 1, keys: list[str] | None = None, unique_mb: int = 0,
               rss_workers: tuple[int, ...] = (2,), rss_repeats: int = 1,
-              rss_baseline: str | None = None) -> dict:
+              rss_baseline: str | None = None, rss_worker_memory: tuple[int, ...] = ()) -> dict:
     """Every run of `keys` (default all of RUNS) `repeats` times, interleaved (a, b, ...,
     a, b, ...): on a shared machine, load drifts over minutes, so no variant gets all
     the quiet (or all the busy) minutes."""
@@ -380,7 +382,7 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir:
     result["ratios"] = _ratios(result["runs"])
     if rss_scale >= 1:
         result["rss"] = peak_memory(spec, repeated(base, rss_scale), work_dir, rss_workers,
-                                    rss_repeats, rss_baseline)
+                                    rss_repeats, rss_baseline, worker_memory=rss_worker_memory)
     if unique_mb >= 1:
         result["unique_words"] = unique_words_memory(spec, work_dir, unique_mb)
     return result
@@ -397,25 +399,35 @@ def checkout_name(path: str) -> str:
 
 
 def peak_memory(spec: str, corpus: str, work_dir: str, workers: tuple[int, ...], repeats: int = 1,
-                baseline: str | None = None, sample_interval: float = RSS_SAMPLE_INTERVAL) -> dict:
+                baseline: str | None = None, sample_interval: float = RSS_SAMPLE_INTERVAL,
+                worker_memory: tuple[int, ...] = ()) -> dict:
     """Peak memory (PSS of the process tree) of preprocess at each worker count with each
     encoder, the median of `repeats` runs each, interleaved; with `baseline`, also another
     checkout's preprocess (its default encoder), e.g. the commit before gigatoken: "peak
-    memory as today's" in issue 26 is that tree's."""
-    variants = [(f"--encoder {encoder}", encoder, REPO) for encoder in ("reference", "gigatoken")]
+    memory as today's" in issue 26 is that tree's; with `worker_memory`, also gigatoken at
+    each --worker-memory-mb (the trade behind its defaults: peak, MB per CPU-second, workers
+    replaced)."""
+    variants = [(f"--encoder {encoder}", encoder, REPO, ()) for encoder in ("reference", "gigatoken")]
+    variants += [(f"--encoder gigatoken --worker-memory-mb {limit}", "gigatoken", REPO,
+                  ("--worker-memory-mb", str(limit))) for limit in worker_memory]
     if baseline:
-        variants.append((f"at {checkout_name(baseline)}", None, baseline))
-    peaks: dict[str, list[float]] = {}
-    text_mb = {}
+        variants.append((f"at {checkout_name(baseline)}", None, baseline, ()))
+    runs: dict[str, list[dict]] = {}
     for _ in range(repeats):
         for count in workers:
-            for label, encoder, checkout in variants:
-                run = run_preprocess(spec, corpus, count, work_dir, sample_memory=True, encoder=encoder,
-                                     checkout=checkout, sample_interval=sample_interval)
-                peaks.setdefault(f"-j{count} {label}", []).append(run["peak_rss"] / 1e6)
-                text_mb[f"-j{count} {label}"] = run["text_bytes"] / 1e6
-    return {key: {"peak_mb": statistics.median(values), "all_peak_mb": [round(v) for v in values],
-                  "text_mb": text_mb[key]} for key, values in peaks.items()}
+            for label, encoder, checkout, extra in variants:
+                runs.setdefault(f"-j{count} {label}", []).append(run_preprocess(
+                    spec, corpus, count, work_dir, sample_memory=True, encoder=encoder,
+                    checkout=checkout, sample_interval=sample_interval, extra=extra))
+    result = {}
+    for key, values in runs.items():
+        peaks = [v["peak_rss"] / 1e6 for v in values]
+        result[key] = {"peak_mb": statistics.median(peaks), "all_peak_mb": [round(p) for p in peaks],
+                       "text_mb": values[0]["text_bytes"] / 1e6,
+                       "mb_per_cpu_s": statistics.median(v["text_bytes"] / 1e6 / v["cpu_seconds"] for v in values)}
+        if values[0]["replaced_workers"] is not None:  # None from trees before it (baseline)
+            result[key]["replaced_workers"] = statistics.median(v["replaced_workers"] for v in values)
+    return result
 
 
 def _ratios(runs: dict) -> dict:
@@ -477,7 +489,9 @@ def print_report(result: dict) -> None:
         runs = rss.get("all_peak_mb", [])
         console.print(f"peak memory (PSS of the process tree), preprocess {command}: "
                       f"{rss['peak_mb']:.0f} MB for {rss['text_mb']:.0f} MB of text"
-                      + (f" (median of {' '.join(map(str, runs))})" if len(runs) > 1 else ""))
+                      + (f" (median of {' '.join(map(str, runs))})" if len(runs) > 1 else "")
+                      + (f"; {rss['mb_per_cpu_s']:.2f} MB/CPU-s" if "mb_per_cpu_s" in rss else "")
+                      + (f", {rss['replaced_workers']:g} replaced" if "replaced_workers" in rss else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -498,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the peak memory of the preprocess in this checkout of another "
                              "commit (e.g. a `git worktree` of the one before gigatoken), run from "
                              "it with its default encoder")
+    parser.add_argument("--rss-worker-memory-mb", type=int, nargs="+", default=[], metavar="MB",
+                        help="also gigatoken's peak-memory runs at each --worker-memory-mb, with MB "
+                             "per CPU-second and workers replaced (e.g. 32 64 256)")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=None,
                         help="which runs (default: all), in this order in every repeat")
     parser.add_argument("--text-scale", type=int, default=1,
@@ -510,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.rss_workers) < 0:
         parser.error("--rss-workers must be >= 0")
+    if args.rss_worker_memory_mb and min(args.rss_worker_memory_mb) < 1:
+        parser.error("--rss-worker-memory-mb must be >= 1 (MiB)")
     if args.rss_baseline and not os.path.isfile(os.path.join(args.rss_baseline, "data_pipeline", "preprocess.py")):
         parser.error(f"--rss-baseline {args.rss_baseline!r} is not a checkout of this repository "
                      "(no data_pipeline/preprocess.py); make one with `git worktree add DIR COMMIT`")
@@ -518,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     result = benchmark(args.tokenizer, args.work_dir, args.repeats, args.rss_scale,
                        args.cache_dir, args.text_scale, args.runs, args.unique_words,
-                       tuple(args.rss_workers), args.rss_repeats, args.rss_baseline)
+                       tuple(args.rss_workers), args.rss_repeats, args.rss_baseline,
+                       tuple(args.rss_worker_memory_mb))
     print_report(result)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -109,3 +109,22 @@ def test_peak_memory_runs_another_checkouts_preprocess(tmp_path, texts):
     for row in result.values():
         assert row["text_mb"] == pytest.approx(size) and row["peak_mb"] > 10
         assert len(row["all_peak_mb"]) == 1
+
+
+@pytest.mark.slow
+def test_peak_memory_at_each_worker_memory_limit(tmp_path):
+    """--rss-worker-memory-mb: gigatoken's runs at each limit report the workers replaced (a
+    1 MiB limit on random distinct words, whose every word grows gigatoken's cache, replaces
+    them; 1 TiB never does) and the MB per CPU-second beside the peak."""
+    from data_pipeline.benchmark import REPO, peak_memory, unique_words
+
+    corpus = unique_words(str(tmp_path), 2)
+    spec = os.path.join(REPO, "data_pipeline", "assets", "demo_sp.model")
+    result = peak_memory(spec, corpus, str(tmp_path), (2,), worker_memory=(1, 1 << 20), sample_interval=0.01)
+    low, high = (result[f"-j2 --encoder gigatoken --worker-memory-mb {n}"] for n in (1, 1 << 20))
+    assert low["replaced_workers"] >= 1 and high["replaced_workers"] == 0, result
+    assert set(result) == {"-j2 --encoder reference", "-j2 --encoder gigatoken",
+                           "-j2 --encoder gigatoken --worker-memory-mb 1",
+                           f"-j2 --encoder gigatoken --worker-memory-mb {1 << 20}"}
+    for row in result.values():
+        assert 2 <= row["text_mb"] < 2.1 and row["mb_per_cpu_s"] > 0
