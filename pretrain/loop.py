@@ -221,7 +221,8 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
             excluded += time.perf_counter() - paused
             reason = stop.reason()
             paused = time.perf_counter()
-            with watchdog.paused("checkpoint save"):
+            save_limit = config.watchdog.save_timeout_s
+            with watchdog.paused("checkpoint save", save_limit, "watchdog.save_timeout_s"):
                 saver.save(step, run.state, last_step=step == sched.train_steps, stop=reason is not None)
             if reason is not None:
                 info(f"stopping after step {step}: {reason}", dist.get_rank() == 0)

@@ -187,8 +187,9 @@ class TrackingConfig(_Strict):
 
 
 class WatchdogConfig(_Strict):
-    """Per-rank hang watchdog: a step (not evaluation or a checkpoint save) that makes no
-    progress within the timeout dumps every thread's stack to <run_dir>/hang/ and exits 75."""
+    """Per-rank hang watchdog: a step (not evaluation) that makes no progress within the
+    timeout, or a checkpoint save within save_timeout_s, dumps every thread's stack to
+    <run_dir>/hang/ and exits 75."""
 
     enabled: bool = True
     # Fixed timeout in seconds after the first step; None derives it: max(min_timeout_s,
@@ -198,6 +199,11 @@ class WatchdogConfig(_Strict):
     min_timeout_s: float = Field(default=300.0, gt=0)
     step_time_factor: float = Field(default=10.0, gt=1)
     startup_timeout_s: float = Field(default=1800.0, gt=0)
+    # A checkpoint save (the part the loop waits for: all of a synchronous one, the staging of
+    # an async one) may take this long; None: saves are not timed. Without it, a save whose
+    # collective never returns (a network cut that leaves both nodes pingable) was ended only
+    # by the process group's own timeout.
+    save_timeout_s: Optional[float] = Field(default=3600.0, gt=0)
     # Collectives torch's flight recorder keeps per rank (TORCH_FR_BUFFER_SIZE, unless set in
     # the environment); the report lists the last ones. 0 = off.
     flight_recorder_entries: int = Field(default=256, ge=0)

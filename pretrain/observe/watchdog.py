@@ -1,8 +1,9 @@
 """The hang watchdog: a per-rank thread that turns a stuck step into a requeue.
 
 The loop marks progress (`begin_step`, `end_step`) and the phases that may legitimately take
-long (`paused("evaluation")`, `paused("checkpoint save")`). If a rank spends longer than
-the timeout in a watched phase, the watchdog thread writes <run_dir>/hang/rank_<r>.<time>.txt:
+long: `paused("evaluation")` is not timed, `paused("checkpoint save", save_timeout_s)` has
+its own timeout. If a rank spends longer than the timeout in a watched phase, the watchdog
+thread writes <run_dir>/hang/rank_<r>.<time>.txt:
 the step, the phase, the last collectives torch's flight recorder holds and every
 thread's Python stack (faulthandler), then exits the process with EXIT_HANG (75,
 sysexits' EX_TEMPFAIL). launch.slurm's job script requeues the job on it (the run resumes
@@ -97,6 +98,7 @@ class Watchdog:
         self._phase = "start-up"
         self._since = time.monotonic()
         self._watched = False
+        self._phase_limit: Optional[tuple[float, str]] = None  # a paused phase's own timeout
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -121,19 +123,28 @@ class Watchdog:
         self._phase = "after the step (logging, straggler report, stop check)"
 
     @contextlib.contextmanager
-    def paused(self, phase: str):
-        """A phase that may take long by design (evaluation, a checkpoint save): not timed;
-        the clock restarts after it."""
-        previous, self._watched, self._phase = self._phase, False, phase
+    def paused(self, phase: str, timeout_s: Optional[float] = None, source: str = ""):
+        """A phase that may take long by design (evaluation, a checkpoint save): not timed by
+        the step timeout; timed by `timeout_s` (named by `source` in the report) if given.
+        The step clock restarts after it."""
+        previous = self._phase
+        if timeout_s is None:
+            self._watched, self._phase = False, phase
+        else:
+            self._phase_limit = (timeout_s, source)
+            self._phase, self._since, self._watched = phase, time.monotonic(), True
         try:
             yield
         finally:
+            self._phase_limit = None
             self._phase, self._since, self._watched = previous, time.monotonic(), True
 
     # ---- the watchdog thread
 
     def timeout(self) -> tuple[float, str]:
         """The timeout now, and where it comes from."""
+        if self._phase_limit is not None:
+            return self._phase_limit
         if not self._durations:
             return self.cfg.startup_timeout_s, "watchdog.startup_timeout_s (set-up and the run's first step)"
         if self.cfg.timeout_s is not None:

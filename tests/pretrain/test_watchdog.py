@@ -66,6 +66,41 @@ def test_pauses_for_long_phases_then_fires_with_stacks_and_exit_75(tmp_path):
     assert "hang watchdog: no progress in step 7" in result.stderr
 
 
+_SAVE_STUCK = r"""
+import sys, time
+from pretrain.config import WatchdogConfig
+from pretrain.observe.watchdog import Watchdog
+dog = Watchdog(WatchdogConfig(timeout_s=1.0), sys.argv[1], rank=1, poll_s=0.05)
+dog.start()
+dog.begin_step(4)
+dog.end_step(0.1)
+with dog.paused("checkpoint save", 3.0, "watchdog.save_timeout_s"):
+    time.sleep(2.0)  # longer than a step may take, within the save's own timeout
+print("saved", flush=True)
+dog.begin_step(5)
+dog.end_step(0.1)
+def stuck_in_a_save_collective():
+    time.sleep(30)
+with dog.paused("checkpoint save", 3.0, "watchdog.save_timeout_s"):
+    stuck_in_a_save_collective()
+"""
+
+
+def test_a_save_has_its_own_timeout(tmp_path):
+    """watchdog.save_timeout_s: a save may outlast the step timeout, not its own."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _SAVE_STUCK, str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_HANG, result.stdout + result.stderr
+    assert "saved" in result.stdout
+    assert time.monotonic() - start < 20  # not the 30 s sleep
+    (report,) = hang_reports(str(tmp_path))
+    text = report.read_text()
+    assert "step 5, phase: checkpoint save" in text
+    assert re.search(r"made no progress for \d+\.\d s; timeout 3\.0 s \(watchdog\.save_timeout_s\)", text), text
+    assert "in stuck_in_a_save_collective" in text
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
