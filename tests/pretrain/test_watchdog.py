@@ -164,3 +164,29 @@ def test_a_setup_step_that_never_ends_is_ended_by_the_startup_timeout(tmp_path):
     reports = [p.read_text() for p in hang_reports(str(run_dir))]
     assert reports and all("phase: set-up: datasets" in r for r in reports), reports
     assert "watchdog.startup_timeout_s (set-up and the run's first step)" in reports[0]
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_save_that_never_ends_is_ended_by_the_save_timeout(tmp_path):
+    """watchdog.save_timeout_s in the training loop: a save that never ends (rank 1 stuck in
+    it, rank 0 waiting in a barrier) ends with exit 75 and a report naming the save, well
+    before the step timeout (600 s)."""
+    from tests.distributed import RankFailure, run_ranks
+
+    run_dir = tmp_path / "run"
+    overrides = ["data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
+                 "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "schedule.seq_length=64",
+                 "schedule.eval_interval=0", "schedule.train_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                 "checkpoint.save_interval=2", "watchdog.timeout_s=600", "watchdog.save_timeout_s=8",
+                 f"logging.run_dir={run_dir}"]
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=f"exited with {EXIT_HANG}"):
+        run_ranks(2, "tests.pretrain.workers:stuck_in_checkpoint_save", overrides=overrides, timeout=240)
+    assert time.monotonic() - start < 200
+    reports = {int(p.name.split(".")[0].removeprefix("rank_")): p.read_text() for p in hang_reports(str(run_dir))}
+    assert reports, "no hang report"
+    for rank, text in reports.items():
+        assert "step 2, phase: checkpoint save" in text, text
+        assert "timeout 8.0 s (watchdog.save_timeout_s)" in text, text
+    if 1 in reports:
+        assert "in stuck_writing_shards" in reports[1]

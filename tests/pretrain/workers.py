@@ -211,3 +211,27 @@ def stuck_in_dataset_build(overrides: list[str], signal_after_s: float | None = 
 
     loop.build_datasets = build
     return {"code": loop.main_train(resolve_config("tiny-llama", None, overrides))}
+
+
+def stuck_in_checkpoint_save(overrides: list[str]) -> dict:
+    """Run main_train with a checkpoint save that never ends: rank 1 stops in it, the others
+    wait for it in a barrier (as in the save's collectives)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from pretrain import loop
+    from pretrain.checkpointing.checkpointer import Checkpointer
+    from pretrain.cli import resolve_config
+
+    def save_now(self, step, run_state, in_process=False):
+        def stuck_writing_shards():
+            while int(os.environ["RANK"]) == 1:
+                time.sleep(1)
+            dist.barrier()
+
+        stuck_writing_shards()
+
+    Checkpointer.save_now = save_now
+    return {"code": loop.main_train(resolve_config("tiny-llama", None, overrides))}
