@@ -127,17 +127,19 @@ class Watchdog:
         """A phase that may take long by design (evaluation, a checkpoint save): not timed by
         the step timeout; timed by `timeout_s` (named by `source` in the report) if given.
         The step clock restarts after it."""
+        # The clock moves before the limit changes: the thread, holding the old clock, then
+        # fails its `since == self._since` check instead of judging it by the new limit.
         previous = self._phase
         if timeout_s is None:
             self._watched, self._phase = False, phase
         else:
+            self._phase, self._since = phase, time.monotonic()
             self._phase_limit = (timeout_s, source)
-            self._phase, self._since, self._watched = phase, time.monotonic(), True
         try:
             yield
         finally:
-            self._phase_limit = None
-            self._phase, self._since, self._watched = previous, time.monotonic(), True
+            self._phase, self._since = previous, time.monotonic()
+            self._phase_limit, self._watched = None, True
 
     # ---- the watchdog thread
 
