@@ -51,15 +51,22 @@ stuck_in_a_collective()
 """
 
 
-def test_pauses_for_long_phases_then_fires_with_stacks_and_exit_75(tmp_path):
+def _fires_after(script: str, survived: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+    """Run a watchdog script that gets past a pause (printing `survived`) and then sticks in a
+    30 s sleep: it must exit 75 well before the sleep ends, with one report; returns the run
+    and the report's text."""
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", _PAUSED_THEN_STUCK, str(tmp_path)], cwd=REPO,
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == EXIT_HANG, result.stdout + result.stderr
-    assert "survived the pause" in result.stdout
+    assert survived in result.stdout
     assert time.monotonic() - start < 20  # not the 30 s sleep
     (report,) = hang_reports(str(tmp_path))
-    text = report.read_text()
+    return result, report.read_text()
+
+
+def test_pauses_for_long_phases_then_fires_with_stacks_and_exit_75(tmp_path):
+    result, text = _fires_after(_PAUSED_THEN_STUCK, "survived the pause", tmp_path)
     assert "rank 3" in text and "step 7, phase: checkpoint save" not in text
     assert "step 7, phase: train step" in text  # the phase it was in after the pause
     assert 'in stuck_in_a_collective' in text and "Thread" in text
@@ -88,14 +95,7 @@ with dog.paused("checkpoint save", 3.0, "watchdog.save_timeout_s"):
 
 def test_a_save_has_its_own_timeout(tmp_path):
     """watchdog.save_timeout_s: a save may outlast the step timeout, not its own."""
-    start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", _SAVE_STUCK, str(tmp_path)], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == EXIT_HANG, result.stdout + result.stderr
-    assert "saved" in result.stdout
-    assert time.monotonic() - start < 20  # not the 30 s sleep
-    (report,) = hang_reports(str(tmp_path))
-    text = report.read_text()
+    _, text = _fires_after(_SAVE_STUCK, "saved", tmp_path)
     assert "step 5, phase: checkpoint save" in text
     assert re.search(r"made no progress for \d+\.\d s; timeout 3\.0 s \(watchdog\.save_timeout_s\)", text), text
     assert "in stuck_in_a_save_collective" in text
