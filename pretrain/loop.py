@@ -3,7 +3,8 @@
 setup: validate (no process group yet) -> runtime start-up -> build model chunks ->
 wrap for training -> datasets -> trackers, profiler, watchdog. Then the loop: step, log,
 evaluate, checkpoint, in that order, until train_steps (or a stop request: signal, time
-limit). The hang watchdog times the step and pauses for evaluation and checkpoint saves.
+limit). The hang watchdog times each step and each evaluation batch by the step timeout,
+a checkpoint save by its own.
 """
 
 from __future__ import annotations
@@ -216,8 +217,8 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
                 info(stragglers.warning(config.logging.straggler_warn_ratio), run.log_rank)
             paused = time.perf_counter()
             if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
-                with watchdog.paused("evaluation"):
-                    _run_eval(run, step)
+                with watchdog.batches("evaluation", sched.eval_steps) as begin_batch:
+                    _run_eval(run, step, begin_batch)
             excluded += time.perf_counter() - paused
             reason = stop.reason()
             paused = time.perf_counter()
@@ -268,12 +269,12 @@ def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: 
     )
 
 
-def _run_eval(run: Run, step: int) -> None:
+def _run_eval(run: Run, step: int, begin_batch) -> None:
     sched = run.config.schedule
     per_eval = sched.eval_steps * sched.global_batch_size
     index = step // sched.eval_interval - 1
     iters = chunk_iterators(run.datasets.valid, run.config, index * per_eval, (index + 1) * per_eval)
-    loss = evaluate(run.state, iters, run.config, run.num_microbatches)
+    loss = evaluate(run.state, iters, run.config, run.num_microbatches, begin_batch)
     if loss is not None:
         run.writer.log_eval(step, loss)
 

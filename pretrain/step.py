@@ -251,11 +251,15 @@ def _loss_scale(state: TrainingState) -> Optional[float]:
 
 @torch.no_grad()
 def evaluate(state: TrainingState, iterators: list, config: ExperimentConfig,
-             num_microbatches: int) -> Optional[float]:
+             num_microbatches: int, begin_batch=None) -> Optional[float]:
+    """The mean loss over schedule.eval_steps forward-only batches; `begin_batch(i)` (the hang
+    watchdog's) is called before batch i (1-based)."""
     for chunk in state.model:
         chunk.eval()
     total, count = 0.0, 0
-    for _ in range(config.schedule.eval_steps):
+    for index in range(1, config.schedule.eval_steps + 1):
+        if begin_batch is not None:
+            begin_batch(index)
         loss = _reduce_loss(run_schedule(state, iterators, config, num_microbatches, forward_only=True))
         if loss is not None:
             total, count = total + loss, count + 1

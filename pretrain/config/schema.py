@@ -187,8 +187,8 @@ class TrackingConfig(_Strict):
 
 
 class WatchdogConfig(_Strict):
-    """Per-rank hang watchdog: a step (not evaluation) that makes no progress within the
-    timeout, or a checkpoint save within save_timeout_s, dumps every thread's stack to
+    """Per-rank hang watchdog: a step or an evaluation batch that makes no progress within
+    the timeout, or a checkpoint save within save_timeout_s, dumps every thread's stack to
     <run_dir>/hang/ and exits 75."""
 
     enabled: bool = True

@@ -1,8 +1,8 @@
 """The hang watchdog: a per-rank thread that turns a stuck step into a requeue.
 
-The loop marks progress (`begin_step`, `end_step`) and the phases that may legitimately take
-long: `paused("evaluation")` is not timed, `paused("checkpoint save", save_timeout_s)` has
-its own timeout. If a rank spends longer than the timeout in a watched phase, the watchdog
+The loop marks progress (`begin_step`, `end_step`, each evaluation batch through
+`batches("evaluation", n)`) and the phases that may legitimately take long: writing a
+profiler trace is not timed, `paused("checkpoint save", save_timeout_s)` has its own timeout. If a rank spends longer than the timeout in a watched phase, the watchdog
 thread writes <run_dir>/hang/rank_<r>.<time>.txt:
 the step, the phase, the last collectives torch's flight recorder holds and every
 thread's Python stack (faulthandler), then exits the process with EXIT_HANG (75,
@@ -123,10 +123,26 @@ class Watchdog:
         self._phase = "after the step (logging, straggler report, stop check)"
 
     @contextlib.contextmanager
+    def batches(self, phase: str, total: int):
+        """A phase made of `total` batches (evaluation): yields `begin(i)`, to call before
+        batch i (1-based). Each batch is timed by the step timeout, as a training step is
+        (a forward-only batch of the same size does less work), so a long evaluation is not a
+        hang and a batch stuck in a collective is. The step clock restarts after it."""
+        previous = self._phase
+
+        def begin(index: int) -> None:
+            self._phase, self._since = f"{phase}, batch {index} of {total}", time.monotonic()
+
+        try:
+            yield begin
+        finally:
+            self._phase, self._since = previous, time.monotonic()
+
+    @contextlib.contextmanager
     def paused(self, phase: str, timeout_s: Optional[float] = None, source: str = ""):
-        """A phase that may take long by design (evaluation, a checkpoint save): not timed by
-        the step timeout; timed by `timeout_s` (named by `source` in the report) if given.
-        The step clock restarts after it."""
+        """A phase that may take long by design (a checkpoint save, writing a trace): not
+        timed by the step timeout; timed by `timeout_s` (named by `source` in the report) if
+        given. The step clock restarts after it."""
         # The clock moves before the limit changes: the thread, holding the old clock, then
         # fails its `since == self._since` check instead of judging it by the new limit.
         previous = self._phase

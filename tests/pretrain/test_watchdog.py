@@ -101,6 +101,39 @@ def test_a_save_has_its_own_timeout(tmp_path):
     assert "in stuck_in_a_save_collective" in text
 
 
+_EVAL_STUCK = r"""
+import sys, time
+from pretrain.config import WatchdogConfig
+from pretrain.observe.watchdog import Watchdog
+dog = Watchdog(WatchdogConfig(timeout_s=1.5), sys.argv[1], rank=2, poll_s=0.05)
+dog.start()
+dog.begin_step(8)
+dog.end_step(0.1)
+with dog.batches("evaluation", 4) as begin_batch:
+    for index in range(1, 5):
+        begin_batch(index)
+        time.sleep(0.7)  # 2.8 s of evaluation, each batch within the 1.5 s timeout
+print("evaluated", flush=True)
+dog.begin_step(9)
+dog.end_step(0.1)
+def stuck_in_an_evaluation_collective():
+    time.sleep(30)
+with dog.batches("evaluation", 4) as begin_batch:
+    begin_batch(1)
+    time.sleep(0.5)
+    begin_batch(2)
+    stuck_in_an_evaluation_collective()
+"""
+
+
+def test_each_evaluation_batch_is_timed_by_the_step_timeout(tmp_path):
+    """An evaluation longer than the step timeout is not a hang; one batch that long is."""
+    _, text = _fires_after(_EVAL_STUCK, "evaluated", tmp_path)
+    assert "step 9, phase: evaluation, batch 2 of 4" in text, text
+    assert re.search(r"made no progress for \d+\.\d s; timeout 1\.5 s \(watchdog\.timeout_s\)", text), text
+    assert "in stuck_in_an_evaluation_collective" in text
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -190,3 +223,27 @@ def test_a_checkpoint_save_that_never_ends_is_ended_by_the_save_timeout(tmp_path
         assert "timeout 8.0 s (watchdog.save_timeout_s)" in text, text
     if 1 in reports:
         assert "in stuck_writing_shards" in reports[1]
+
+
+@pytest.mark.distributed
+def test_an_evaluation_batch_that_never_ends_is_ended_by_the_step_timeout(tmp_path):
+    """Evaluation in the training loop is watched batch by batch: a batch stuck on rank 1 (rank
+    0 waiting in a barrier) ends with exit 75 and a report naming the evaluation batch."""
+    from tests.distributed import RankFailure, run_ranks
+
+    run_dir = tmp_path / "run"
+    overrides = ["data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
+                 "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "schedule.seq_length=64",
+                 "schedule.train_steps=4", "schedule.eval_interval=2", "schedule.eval_steps=3",
+                 "watchdog.timeout_s=8", f"logging.run_dir={run_dir}"]
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=f"exited with {EXIT_HANG}"):
+        run_ranks(2, "tests.pretrain.workers:stuck_in_evaluation", overrides=overrides, timeout=240)
+    assert time.monotonic() - start < 200
+    reports = {int(p.name.split(".")[0].removeprefix("rank_")): p.read_text() for p in hang_reports(str(run_dir))}
+    assert reports, "no hang report"
+    for rank, text in reports.items():
+        assert "step 2, phase: evaluation, batch 2 of 3" in text, text
+        assert "timeout 8.0 s (watchdog.timeout_s)" in text, text
+    if 1 in reports:
+        assert "in stuck_in_an_evaluation_batch" in reports[1]

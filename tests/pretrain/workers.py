@@ -186,6 +186,37 @@ def stop_during_setup(overrides: list[str], signal_rank: int, at: str) -> dict:
     return {"code": code, "trained": bool(trained)}
 
 
+def stuck_in_evaluation(overrides: list[str]) -> dict:
+    """Run main_train with an evaluation batch that never ends: in the first evaluation's
+    second batch rank 1 stops, the others wait for it in a barrier (as in the batch's
+    collectives)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from pretrain import loop, step
+    from pretrain.cli import resolve_config
+
+    real_run_schedule = step.run_schedule
+    forward_only_calls = []
+
+    def run_schedule(*args, forward_only=False, **kwargs):
+        if forward_only:
+            forward_only_calls.append(True)
+            if len(forward_only_calls) == 2:
+                stuck_in_an_evaluation_batch()
+        return real_run_schedule(*args, forward_only=forward_only, **kwargs)
+
+    def stuck_in_an_evaluation_batch():
+        while int(os.environ["RANK"]) == 1:
+            time.sleep(1)
+        dist.barrier()
+
+    step.run_schedule = run_schedule
+    return {"code": loop.main_train(resolve_config("tiny-llama", None, overrides))}
+
+
 def stuck_in_dataset_build(overrides: list[str], signal_after_s: float | None = None, signame: str = "SIGTERM") -> dict:
     """Run main_train with a dataset build that never ends: rank 0 spins in Python (as
     Megatron-Core's `_get_num_epochs` did on an empty split), the others wait for it in a
