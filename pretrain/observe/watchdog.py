@@ -2,12 +2,12 @@
 
 The loop marks progress (`begin_step`, `end_step`, each evaluation batch through
 `batches("evaluation", n)`) and the phases that may legitimately take long: writing a
-profiler trace is not timed, `paused("checkpoint save", save_timeout_s)` has its own timeout. If a rank spends longer than the timeout in a watched phase, the watchdog
-thread writes <run_dir>/hang/rank_<r>.<time>.txt:
-the step, the phase, the last collectives torch's flight recorder holds and every
-thread's Python stack (faulthandler), then exits the process with EXIT_HANG (75,
-sysexits' EX_TEMPFAIL). launch.slurm's job script requeues the job on it (the run resumes
-from its last checkpoint); launch.local reports it.
+profiler trace is not timed, `paused("checkpoint save", save_timeout_s)` has its own
+timeout. If a rank spends longer than the timeout in a watched phase, the watchdog thread
+writes <run_dir>/hang/rank_<r>.<time>.txt: the step, the phase, the last collectives
+torch's flight recorder holds and every thread's Python stack (faulthandler), then exits
+the process with EXIT_HANG (75, sysexits' EX_TEMPFAIL). launch.slurm's job script requeues
+the job on it (the run resumes from its last checkpoint); launch.local reports it.
 
 Timeout: startup_timeout_s for the run's first step (one-time costs: lazy communicator
 creation, allocator warm-up, compilation); then `watchdog.timeout_s`, or derived:
