@@ -43,7 +43,8 @@ Peak memory: the whole preprocess process tree (PSS summed, sampled every 0.05 s
 that checkout's preprocess, e.g. the tree the issue called "today's" (the commit before
 gigatoken, 9294f05: `git worktree add /tmp/before 9294f05`); with --rss-worker-memory-mb
 MB ..., gigatoken at each --worker-memory-mb (peak, MB per CPU-second, workers replaced: the
-trade behind its defaults); and with --unique-words MB,
+trade behind its defaults); --rss-unique-words MB runs them all on MB of random distinct
+words instead of the corpus; and with --unique-words MB,
 on MB of random distinct words, with gigatoken's workers replaced as they grow (the
 default --worker-memory-mb) and never replaced.
 """
@@ -231,13 +232,18 @@ def run_preprocess(spec: str, corpus: str, workers: int, work_dir: str,
             "cli_cpu_seconds": usage.ru_utime + usage.ru_stime}
 
 
+def corpus_path(work_dir: str) -> str:
+    """Where ensure_corpus keeps the corpus: named by its corpora, so a work dir made with
+    another list is not read as this one."""
+    tag = hashlib.sha256(",".join(CORPORA).encode()).hexdigest()[:8]
+    return os.path.join(work_dir, f"debian-{tag}.jsonl")
+
+
 def ensure_corpus(work_dir: str, cache_dir: str | None) -> str:
     from data_pipeline import debian_text
 
     os.makedirs(work_dir, exist_ok=True)
-    # Named by its corpora, so a work dir made with another list is not read as this one.
-    tag = hashlib.sha256(",".join(CORPORA).encode()).hexdigest()[:8]
-    corpus = os.path.join(work_dir, f"debian-{tag}.jsonl")
+    corpus = corpus_path(work_dir)
     if not os.path.exists(corpus):
         cache = cache_dir or debian_text.DEFAULT_CACHE
         available = []
@@ -356,10 +362,12 @@ def _medians(values: list[dict]) -> dict:
 def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir: str | None = None,
               text_scale: int = 1, keys: list[str] | None = None, unique_mb: int = 0,
               rss_workers: tuple[int, ...] = (2,), rss_repeats: int = 1,
-              rss_baseline: str | None = None, rss_worker_memory: tuple[int, ...] = ()) -> dict:
+              rss_baseline: str | None = None, rss_worker_memory: tuple[int, ...] = (),
+              rss_unique_mb: int = 0) -> dict:
     """Every run of `keys` (default all of RUNS) `repeats` times, interleaved (a, b, ...,
     a, b, ...): on a shared machine, load drifts over minutes, so no variant gets all
-    the quiet (or all the busy) minutes."""
+    the quiet (or all the busy) minutes. The peak-memory runs read the corpus repeated
+    `rss_scale` times, or `rss_unique_mb` MB of random distinct words if given."""
     keys = keys or list(RUNS)
     base = ensure_corpus(work_dir, cache_dir)
     corpus = repeated(base, text_scale)  # what the timed runs read
@@ -380,8 +388,10 @@ def benchmark(spec: str, work_dir: str, repeats: int, rss_scale: int, cache_dir:
         if RUNS[key][0] == "alone":
             result["runs"][key]["load_s"] = statistics.median(v["load_seconds"] for v in runs[key])
     result["ratios"] = _ratios(result["runs"])
-    if rss_scale >= 1:
-        result["rss"] = peak_memory(spec, repeated(base, rss_scale), work_dir, rss_workers,
+    if rss_scale >= 1 or rss_unique_mb >= 1:
+        rss_corpus = unique_words(work_dir, rss_unique_mb) if rss_unique_mb >= 1 else repeated(base, rss_scale)
+        result["rss_corpus"] = rss_corpus
+        result["rss"] = peak_memory(spec, rss_corpus, work_dir, rss_workers,
                                     rss_repeats, rss_baseline, worker_memory=rss_worker_memory)
     if unique_mb >= 1:
         result["unique_words"] = unique_words_memory(spec, work_dir, unique_mb)
@@ -485,6 +495,8 @@ def print_report(result: dict) -> None:
         console.print(f"peak memory, preprocess -j2 --encoder gigatoken on {run['text_mb']:.0f} MB of unique words, "
                       f"workers {label} (--worker-memory-mb {run['worker_memory_mb']}): {run['peak_mb']:.0f} MB "
                       f"(largest process {run['kernel_max_rss_mb']:.0f} MB; {run['replaced_workers']} replaced)")
+    if "rss_corpus" in result:
+        console.print(f"peak-memory runs on {result['rss_corpus']}:")
     for command, rss in result.get("rss", {}).items():
         runs = rss.get("all_peak_mb", [])
         console.print(f"peak memory (PSS of the process tree), preprocess {command}: "
@@ -515,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-worker-memory-mb", type=int, nargs="+", default=[], metavar="MB",
                         help="also gigatoken's peak-memory runs at each --worker-memory-mb, with MB "
                              "per CPU-second and workers replaced (e.g. 32 64 256)")
+    parser.add_argument("--rss-unique-words", type=int, default=0, metavar="MB",
+                        help="run the peak-memory runs (--rss-workers, --rss-repeats, "
+                             "--rss-worker-memory-mb) on MB of random distinct words instead of "
+                             "the corpus: gigatoken's worst case (its cache grows with every word)")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=None,
                         help="which runs (default: all), in this order in every repeat")
     parser.add_argument("--text-scale", type=int, default=1,
@@ -532,13 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.rss_baseline and not os.path.isfile(os.path.join(args.rss_baseline, "data_pipeline", "preprocess.py")):
         parser.error(f"--rss-baseline {args.rss_baseline!r} is not a checkout of this repository "
                      "(no data_pipeline/preprocess.py); make one with `git worktree add DIR COMMIT`")
+    if args.rss_unique_words < 0:
+        parser.error("--rss-unique-words must be >= 0 (MB; 0: the corpus)")
     for name in ("repeats", "text_scale", "rss_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     result = benchmark(args.tokenizer, args.work_dir, args.repeats, args.rss_scale,
                        args.cache_dir, args.text_scale, args.runs, args.unique_words,
                        tuple(args.rss_workers), args.rss_repeats, args.rss_baseline,
-                       tuple(args.rss_worker_memory_mb))
+                       tuple(args.rss_worker_memory_mb), args.rss_unique_words)
     print_report(result)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -128,3 +128,19 @@ def test_peak_memory_at_each_worker_memory_limit(tmp_path):
                            f"-j2 --encoder gigatoken --worker-memory-mb {1 << 20}"}
     for row in result.values():
         assert 2 <= row["text_mb"] < 2.1 and row["mb_per_cpu_s"] > 0
+
+
+def test_rss_unique_words_runs_the_peak_memory_runs_on_distinct_words(tmp_path, texts):
+    """--rss-unique-words MB: the peak-memory runs read MB of random distinct words, not the
+    corpus the timed runs read."""
+    from data_pipeline import benchmark as bench
+
+    write_jsonl(bench.corpus_path(str(tmp_path)), texts[:20])  # the timed runs' corpus, present
+    spec = os.path.join(bench.REPO, "data_pipeline", "assets", "demo_sp.model")
+    result = bench.benchmark(spec, str(tmp_path), 1, 0, keys=["a:reference"], rss_workers=(1,),
+                             rss_unique_mb=1)
+    assert result["rss_corpus"] == bench.unique_words(str(tmp_path), 1)
+    assert set(result["rss"]) == {"-j1 --encoder reference", "-j1 --encoder gigatoken"}
+    for row in result["rss"].values():
+        assert 1 <= row["text_mb"] < 1.1, row
+    assert result["text_mb"] < 0.1  # the timed run read the corpus
