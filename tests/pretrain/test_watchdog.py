@@ -199,25 +199,32 @@ def test_a_setup_step_that_never_ends_is_ended_by_the_startup_timeout(tmp_path):
     assert "watchdog.startup_timeout_s (set-up and the run's first step)" in reports[0]
 
 
-@pytest.mark.distributed
-def test_a_checkpoint_save_that_never_ends_is_ended_by_the_save_timeout(tmp_path):
-    """watchdog.save_timeout_s in the training loop: a save that never ends (rank 1 stuck in
-    it, rank 0 waiting in a barrier) ends with exit 75 and a report naming the save, well
-    before the step timeout (600 s)."""
+def _stuck_two_ranks(tmp_path, worker: str, overrides: list[str]) -> dict[int, str]:
+    """Train tiny-llama on 2 ranks with `worker` (tests.pretrain.workers) holding rank 1 in some
+    phase: the job must end with exit 75 within 200 s; returns each rank's hang report."""
     from tests.distributed import RankFailure, run_ranks
 
     run_dir = tmp_path / "run"
     overrides = ["data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
                  "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "schedule.seq_length=64",
-                 "schedule.eval_interval=0", "schedule.train_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                 "checkpoint.save_interval=2", "watchdog.timeout_s=600", "watchdog.save_timeout_s=8",
-                 f"logging.run_dir={run_dir}"]
+                 "schedule.train_steps=4", *overrides, f"logging.run_dir={run_dir}"]
     start = time.monotonic()
     with pytest.raises(RankFailure, match=f"exited with {EXIT_HANG}"):
-        run_ranks(2, "tests.pretrain.workers:stuck_in_checkpoint_save", overrides=overrides, timeout=240)
+        run_ranks(2, f"tests.pretrain.workers:{worker}", overrides=overrides, timeout=240)
     assert time.monotonic() - start < 200
     reports = {int(p.name.split(".")[0].removeprefix("rank_")): p.read_text() for p in hang_reports(str(run_dir))}
     assert reports, "no hang report"
+    return reports
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_save_that_never_ends_is_ended_by_the_save_timeout(tmp_path):
+    """watchdog.save_timeout_s in the training loop: a save that never ends (rank 1 stuck in
+    it, rank 0 waiting in a barrier) ends with exit 75 and a report naming the save, well
+    before the step timeout (600 s)."""
+    reports = _stuck_two_ranks(tmp_path, "stuck_in_checkpoint_save", [
+        "schedule.eval_interval=0", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.save_interval=2",
+        "watchdog.timeout_s=600", "watchdog.save_timeout_s=8"])
     for rank, text in reports.items():
         assert "step 2, phase: checkpoint save" in text, text
         assert "timeout 8.0 s (watchdog.save_timeout_s)" in text, text
@@ -229,19 +236,8 @@ def test_a_checkpoint_save_that_never_ends_is_ended_by_the_save_timeout(tmp_path
 def test_an_evaluation_batch_that_never_ends_is_ended_by_the_step_timeout(tmp_path):
     """Evaluation in the training loop is watched batch by batch: a batch stuck on rank 1 (rank
     0 waiting in a barrier) ends with exit 75 and a report naming the evaluation batch."""
-    from tests.distributed import RankFailure, run_ranks
-
-    run_dir = tmp_path / "run"
-    overrides = ["data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
-                 "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "schedule.seq_length=64",
-                 "schedule.train_steps=4", "schedule.eval_interval=2", "schedule.eval_steps=3",
-                 "watchdog.timeout_s=8", f"logging.run_dir={run_dir}"]
-    start = time.monotonic()
-    with pytest.raises(RankFailure, match=f"exited with {EXIT_HANG}"):
-        run_ranks(2, "tests.pretrain.workers:stuck_in_evaluation", overrides=overrides, timeout=240)
-    assert time.monotonic() - start < 200
-    reports = {int(p.name.split(".")[0].removeprefix("rank_")): p.read_text() for p in hang_reports(str(run_dir))}
-    assert reports, "no hang report"
+    reports = _stuck_two_ranks(tmp_path, "stuck_in_evaluation", [
+        "schedule.eval_interval=2", "schedule.eval_steps=3", "watchdog.timeout_s=8"])
     for rank, text in reports.items():
         assert "step 2, phase: evaluation, batch 2 of 3" in text, text
         assert "timeout 8.0 s (watchdog.timeout_s)" in text, text
