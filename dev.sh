@@ -10,13 +10,43 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
 
+# Megatron-Core 0.17+ needs Python >= 3.12. PYTHON=... picks one; otherwise the first of
+# python3.12, python3.13, python3 and pyenv's 3.12/3.13 installs that is a 3.12 or 3.13.
+find_python() {
+    local candidates=()
+    [ -n "${PYTHON:-}" ] && candidates+=("$PYTHON")
+    candidates+=(python3.12 python3.13 python3)
+    local root
+    root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+    candidates+=("$root"/versions/3.12*/bin/python3 "$root"/versions/3.13*/bin/python3)
+    local py
+    for py in "${candidates[@]}"; do
+        # (a pyenv shim of a version that is not selected fails here, and its install is
+        # found below it in the list)
+        if "$py" -c 'import sys; sys.exit(0 if (3, 12) <= sys.version_info[:2] < (3, 14) else 1)' 2>/dev/null; then
+            "$py" -c 'import sys; print(sys.executable)'
+            return 0
+        fi
+    done
+    echo "error: Python 3.12 or 3.13 is needed (Megatron-Core 0.19 requires it) and none was found;" \
+        "install one (e.g. 'pyenv install 3.12', or apt's python3.12) or name it: PYTHON=/path/to/python3.12 bash dev.sh ..." >&2
+    return 1
+}
+
 setup() {
+    if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -c \
+        'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 12) else 1)' 2>/dev/null; then
+        echo "recreating $VENV: it has Python $("$VENV/bin/python" -c 'import platform; print(platform.python_version())'), Megatron-Core 0.19 needs 3.12+" >&2
+        rm -rf "$VENV"
+    fi
     if [ ! -x "$VENV/bin/python" ]; then
-        python3 -m venv "$VENV"
+        local base
+        base=$(find_python)
+        "$base" -m venv "$VENV"
     fi
     local py="$VENV/bin/python"
-    # Install the CPU torch first and on its own: every later requirement is
-    # satisfied by it, so pip never reaches for a multi-GB CUDA build.
+    # torch first and on its own (PyPI's build with its CUDA libraries: the binary GPU
+    # clusters run, which runs on the CPU too), so no later requirement replaces it.
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q torch==2.13.0
     # The tracker extras too: the tests read MLflow and W&B records back with the real libraries.
@@ -81,14 +111,15 @@ case "${1:-}" in
             echo "error: bash dev.sh gpu-test needs a CUDA GPU and a CUDA build of torch in $base (set GPU_PYTHON)" >&2
             exit 2
         fi
+        if ! "$base" -c 'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 12) else 1)'; then
+            echo "error: $base is Python $("$base" -c 'import platform; print(platform.python_version())'); Megatron-Core 0.19 needs 3.12+ (set GPU_PYTHON)" >&2
+            exit 2
+        fi
         GVENV=${GPU_VENV:-.venv-gpu}
         [ -x "$GVENV/bin/python" ] || "$base" -m venv --system-site-packages "$GVENV"
         py="$GVENV/bin/python"
         "$py" - > "$GVENV/requirements.txt" <<'PYEOF'
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
+import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
 for req in project["dependencies"] + extras["test"]:
@@ -97,10 +128,7 @@ for req in project["dependencies"] + extras["test"]:
 PYEOF
         "$py" -m pip install -q -r "$GVENV/requirements.txt"
         "$py" - > "$GVENV/requirements-gpu.txt" <<'PYEOF'
-try:
-    import tomllib
-except ImportError:
-    import tomli as tomllib
+import tomllib
 print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))
 PYEOF
         MAX_JOBS=${MAX_JOBS:-$(nproc)} NVTE_FRAMEWORK=pytorch \

@@ -3,7 +3,9 @@
 Megatron-Core's `dist_checkpointing` needs as many ranks as the layout and a process
 group; offline tools need neither. A torch_dist checkpoint is a plain
 `torch.distributed.checkpoint` directory (`.metadata` + `__R_T.distcp` shards) plus
-Megatron's `metadata.json` and `common.pt`, so:
+Megatron's `metadata.json`; its non-sharded ("common") state is the object `common_state`
+inside the DCP files (Megatron-Core 0.17+; 0.16 and earlier wrote it to `common.pt`, which
+`read_common` still reads), so:
 
 - `CheckpointReader.read(key, index)` loads one layer (one expert) of a stacked tensor
   through DCP's own storage reader and resharding read-item planner;
@@ -57,6 +59,11 @@ from pretrain.checkpointing.metadata import UnsafeCheckpoint, read_metadata_safe
 # What Megatron-Core writes next to the DCP files (dist_checkpointing/core.py).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
+# Where Megatron-Core 0.17+ keeps the common state: ShardedObject("common_state", (1,), (0,))
+# (dist_checkpointing/serialization.py: save and load_common_state_dict), stored as
+# torch.save([state]) like every ShardedObject.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+LEGACY_COMMON_FILE = "common.pt"
 
 
 class CheckpointFormatError(ValueError):
@@ -125,7 +132,9 @@ class CheckpointReader:
         return [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
 
     def object_keys(self) -> list[str]:
-        return [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+        """The ShardedObjects of the model and optimizer (not the common state: `read_common`)."""
+        return [k for k, v in self.metadata.state_dict_metadata.items()
+                if isinstance(v, BytesStorageMetadata) and k != COMMON_STATE_KEY]
 
     def has(self, key: str) -> bool:
         return key in self.metadata.state_dict_metadata
@@ -260,10 +269,13 @@ def write_checkpoint(
     tensors: key -> (global shape, dtype, chunks as (offsets, sizes)), written in this order;
     produce(key, offsets, sizes) returns a chunk when the writer reaches it (from `threads`
     writer threads at once: it must be thread-safe). objects: the
-    ShardedObject bytes (key/shard_... -> serialized). common: what Megatron keeps in
-    common.pt (non-sharded state: scheduler, optimizer param groups).
+    ShardedObject bytes (key/shard_... -> serialized). common: Megatron's non-sharded state
+    (scheduler, optimizer param groups), stored as its `common_state` object.
     """
     out.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save([common], buffer)
+    objects = {**objects, COMMON_STATE_KEY: buffer.getvalue()}
     items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
     for key, (shape, dtype, chunks) in tensors.items():
         for offsets, sizes in chunks:
@@ -283,12 +295,17 @@ def write_checkpoint(
     planner = _LazyPlanner(produce, objects, {k: v[1] for k, v in tensors.items()})
     results = writer.write_data(plan, planner).wait()
     writer.finish(metadata, [results])
-    torch.save(common, out / "common.pt")
     (out / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 
 
 def read_common(path: Path) -> dict:
-    """common.pt of a torch_dist checkpoint (scheduler, optimizer param groups): plain
+    """The common state of a torch_dist checkpoint (scheduler, optimizer param groups): from
+    `common.pt` (Megatron-Core <= 0.16) or its `common_state` object (0.17+), else {}. Plain
     numbers and strings, so the restricted (weights_only) unpickler suffices."""
-    file = Path(path) / "common.pt"
-    return torch.load(file, weights_only=True) if file.is_file() else {}
+    file = Path(path) / LEGACY_COMMON_FILE
+    if file.is_file():
+        return torch.load(file, weights_only=True)
+    reader = CheckpointReader(path)
+    if not reader.has(COMMON_STATE_KEY):
+        return {}
+    return torch.load(io.BytesIO(reader.read_object(COMMON_STATE_KEY)), weights_only=True)[0]

@@ -5,7 +5,8 @@
      (TP/PP/VPP sizes MUST be set there: without them every stage silently builds all layers).
   2. `layer_spec`: `te` (Transformer Engine fused modules; TE does SP and CP) or
      `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with
-     our MoE router (`models.moe`).
+     Megatron-Core's MoE router (since 0.17 it scales the aux and z-loss gradients by the
+     TP x CP group's tokens itself, which our router subclass did for 0.16).
   3. one `GPTModel` (`models.documents.DocumentGPTModel`) per virtual pipeline stage, each with the pre/post-process flags of
      its position in the pipeline, built on the current device; Llama-3.1 RoPE scaling
      completed with all four of its values (`models.rope`: GPTModel passes only the factor).
@@ -39,7 +40,6 @@ from models.context_parallel import ContextParallelAttention
 from models.documents import DocumentGPTModel
 from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
-from models.moe import with_layout_invariant_router
 from models.padded_vocab import mask_padded_logits
 from models.precision import MachineFacts, fp8_transformer_kwargs, probe_machine
 from models.runtime import RuntimeOptions, SpecName
@@ -173,17 +173,14 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
 
     `te`: Megatron-Core's Transformer Engine block spec (TE does SP and CP itself).
     `portable`: the local spec with `PortableNorm` (sequence-parallel aware) and, at CP > 1,
-    `ContextParallelAttention` as core attention. Both use `LayoutInvariantRouter` for MoE.
+    `ContextParallelAttention` as core attention.
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        block = get_gpt_decoder_block_spec(
+        return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization=config.normalization, vp_stage=vp_stage
-        )
-        return dataclasses.replace(
-            block, layer_specs=[with_layout_invariant_router(s) for s in block.layer_specs]
         )
     local = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, normalization=config.normalization
@@ -197,9 +194,7 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
             attention,
             submodules=dataclasses.replace(attention.submodules, core_attention=ContextParallelAttention),
         ))
-    layer = with_layout_invariant_router(
-        ModuleSpec(module=local.module, submodules=submodules, params=local.params)
-    )
+    layer = ModuleSpec(module=local.module, submodules=submodules, params=local.params)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=PortableNorm)
 
 

@@ -25,7 +25,7 @@ we keep that off and build what the attention needs here, once per forward of a 
   document as its own causal sequence, and RoPE restarts at each one (Megatron applies
   RoPE per packed sequence). So `te` resets attention and positions together.
 
-RoPE and `position_ids` (the one place we change it): Megatron-Core 0.16.1's GPTModel
+RoPE and `position_ids` (the one place we change it): Megatron-Core's GPTModel (0.16.1-0.19.2)
 ignores `position_ids` for RoPE (`_preprocess` builds the table for 0..s-1 and slices it
 for CP; position_ids reach only learned absolute embeddings). `DocumentGPTModel._preprocess`
 with `reset_position_ids` replaces that table by upstream's own table indexed with the
@@ -147,7 +147,7 @@ class DocumentGPTModel(GPTModel):
 
 
 def _check_rotary_slot(out, position_ids: Tensor) -> None:
-    """Guard for the override above, written against megatron-core 0.16.1: GPTModel._preprocess
+    """Guard for the override above, written against megatron-core 0.16.1 (holds in 0.19.2): GPTModel._preprocess
     returns a tuple whose second item is the RoPE table [s_local, 1, 1, d] of 0..s-1. If upstream
     moves or reshapes it, replacing that item would train with wrong positions: fail instead."""
     table = out[1] if isinstance(out, tuple) and len(out) > 1 else None
@@ -156,4 +156,4 @@ def _check_rotary_slot(out, position_ids: Tensor) -> None:
         raise RuntimeError(
             "models/documents.py: GPTModel._preprocess no longer returns the RoPE table [s, 1, 1, d] as its "
             f"second item (got {type(table).__name__} {getattr(table, 'shape', '')}); reset_position_ids was "
-            "written for megatron-core 0.16.1: re-check DocumentGPTModel._preprocess against the new upstream")
+            "written for megatron-core 0.16.1-0.19.2: re-check DocumentGPTModel._preprocess against the new upstream")

@@ -166,8 +166,8 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int)
 
 
 def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
-    """What Megatron-FSDP (ZeRO-2/3) runs correctly in megatron-core 0.16.1; the reasons are
-    in pretrain/megatron_fixes/fsdp.py."""
+    """What Megatron-FSDP (ZeRO-2/3) is known to run correctly: measured on megatron-core 0.16.1,
+    kept for 0.19.2 until re-measured; the reasons are in pretrain/megatron_fixes/fsdp.py."""
     if layout.hsdp_replicas > 1 and not layout.fsdp:
         raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} needs sharding=zero2 or zero3 (HSDP shards "
                           "inside a replica and replicates across replicas)")
@@ -177,7 +177,7 @@ def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: i
     if layout.pipeline_parallel > 1:
         raise LayoutError(
             f"sharding={name} (Megatron-FSDP) does not support pipeline_parallel={layout.pipeline_parallel} in "
-            "megatron-core 0.16.1 (its device mesh has no pipeline dimension); use sharding=zero1 with "
+            "megatron-core 0.19.2 (its device mesh has no pipeline dimension); use sharding=zero1 with "
             f"PP{layout.pipeline_parallel}, or fold PP into data parallelism (pipeline_parallel=1) with {name}")
     dp_cp = layout.data_parallel(world_size) * layout.context_parallel
     if dp_cp % layout.hsdp_replicas:
@@ -188,17 +188,17 @@ def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: i
     if layout.shard_group_size(world_size) < 2:
         raise LayoutError(
             f"sharding={name} over a shard group of {layout.shard_group_size(world_size)} rank shards nothing "
-            f"(DP x CP = {dp_cp}, hsdp_replicas={layout.hsdp_replicas}), and Megatron-FSDP 0.16.1 double-counts "
-            "gradients there; use sharding=none or zero1, or more data-parallel ranks per replica")
+            f"(DP x CP = {dp_cp}, hsdp_replicas={layout.hsdp_replicas}), and Megatron-FSDP 0.16.1 double-counted "
+            "gradients there (not yet re-measured on 0.19); use sharding=none or zero1, or more data-parallel ranks per replica")
     if model.is_moe and layout.expert_data_parallel(world_size) < 2:
         raise LayoutError(
             f"sharding={name} shards the experts over the expert data-parallel group, which has "
             f"{layout.expert_data_parallel(world_size)} rank here (world {world_size} / expert TP {layout.expert_tp} x "
-            f"EP {layout.expert_parallel} x PP {layout.pipeline_parallel}), and Megatron-FSDP 0.16.1 double-counts "
-            "gradients in a shard group of one rank; use a smaller expert_parallel or more ranks (expert DP >= 2)")
+            f"EP {layout.expert_parallel} x PP {layout.pipeline_parallel}), and Megatron-FSDP 0.16.1 double-counted "
+            "gradients in a shard group of one rank (not yet re-measured on 0.19); use a smaller expert_parallel or more ranks (expert DP >= 2)")
     if model.is_moe and layout.hsdp_replicas > 1:
-        raise LayoutError("a MoE model with hsdp_replicas > 1 trains wrong weights under Megatron-FSDP 0.16.1 "
-                          "(no expert mesh for HSDP); use hsdp_replicas=1 (shard over all of DP)")
+        raise LayoutError("a MoE model with hsdp_replicas > 1 trained wrong weights under Megatron-FSDP 0.16.1 "
+                          "(no expert mesh for HSDP; not yet re-measured on 0.19); use hsdp_replicas=1 (shard over all of DP)")
 
 
 def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
@@ -211,7 +211,7 @@ def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -
                               "(num_experts is unset); remove it")
         return
     if model.add_bias_linear and etp > 1:
-        # transformer_config.py: "Bias in Moe is only supported when ETP==1" (megatron-core 0.16.1).
+        # transformer_config.py: "Bias in Moe is only supported when ETP==1" (megatron-core 0.16.1-0.19.2).
         raise LayoutError(f"a MoE model with add_bias_linear=true needs expert TP 1 (got {etp}: expert TP "
                           "follows tensor_parallel unless set); set expert_tensor_parallel=1, or add_bias_linear=false")
     _check_divides("EP", ep, "num_experts", model.num_experts)

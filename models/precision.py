@@ -1,6 +1,6 @@
 """FP8 through Transformer Engine: what each recipe needs, checked before any model is built.
 
-Megatron-Core 0.16.1 takes FP8 as `TransformerConfig` fields (`fp8` = the format, `fp8_recipe`,
+Megatron-Core (0.16.1-0.19.2) takes FP8 as `TransformerConfig` fields (`fp8` = the format, `fp8_recipe`,
 `fp8_margin`, `fp8_amax_history_len`, `fp8_amax_compute_algo`, `fp8_param`,
 `first_last_layers_bf16`, `num_layers_at_start_in_bf16` / `..._end_...`) and turns them into a
 Transformer Engine recipe in `megatron/core/fp8_utils.py:get_fp8_recipe`. Transformer Engine
@@ -77,7 +77,7 @@ class RecipeNeeds:
     min_capability: tuple[int, int]
     below_capability: Optional[tuple[int, int]] = None  # unsupported from this one up
     min_cuda: Optional[tuple[int, int]] = None
-    # The Transformer Engine that Megatron-Core 0.16.1's get_fp8_recipe needs for it.
+    # The Transformer Engine that Megatron-Core's get_fp8_recipe needs for it (0.16.1 and 0.19.2 alike).
     min_te: str = "2.1.0"
 
 
@@ -128,7 +128,7 @@ def recipe_problem(recipe: str, facts: MachineFacts) -> Optional[str]:
     if facts.te_version is None:
         return f"{what} needs Transformer Engine: pip install '.[gpu]'"
     if Version(facts.te_version) < Version(needs.min_te):
-        return (f"{what} ({needs.te_class}) needs Transformer Engine >= {needs.min_te} (Megatron-Core 0.16.1); "
+        return (f"{what} ({needs.te_class}) needs Transformer Engine >= {needs.min_te} (Megatron-Core 0.19.2); "
                 f"{facts.te_version} is installed")
     return None
 
@@ -160,7 +160,7 @@ def config_problems(runtime: RuntimeOptions, *, num_layers: int, pipeline_parall
     first, last = runtime.fp8_bf16_first_layers, runtime.fp8_bf16_last_layers
     if (first or last) and recipe == "delayed":
         problems.append("runtime.fp8_bf16_first_layers / fp8_bf16_last_layers need a recipe other than "
-                        "delayed (Megatron-Core 0.16.1 refuses BF16 layers inside delayed scaling, whose amax "
+                        "delayed (Megatron-Core 0.16.1-0.19.2 refuses BF16 layers inside delayed scaling, whose amax "
                         "reduction spans all FP8 layers); set runtime.fp8_recipe=tensorwise or blockwise")
     per_stage = num_layers // pipeline_parallel
     for key, value in (("fp8_bf16_first_layers", first), ("fp8_bf16_last_layers", last)):

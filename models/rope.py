@@ -1,6 +1,6 @@
 """Llama-3.1 RoPE scaling with all four of its values, not only the factor.
 
-Upstream (Megatron-Core 0.16.1, `models/common/embeddings/rotary_pos_embedding.py`):
+Upstream (Megatron-Core 0.16.1-0.19.2, `models/common/embeddings/rotary_pos_embedding.py`):
 `RotaryEmbedding._apply_scaling(freqs, factor, low_freq_factor=1, high_freq_factor=4,
 original_max_position_embeddings=8192)` implements HF's "llama3" rope type with all four
 values, but `GPTModel` builds its `RotaryEmbedding(rope_scaling=..., rope_scaling_factor=...)`
@@ -18,8 +18,8 @@ offers no way to carry them to the constructor. Before overriding, the guard rec
 upstream's result with the factor alone and requires it to be bit-identical to the
 `inv_freq` the constructor made: if upstream changes how it builds the unscaled frequencies
 or the scaling, the build fails loudly instead of mixing two formulas.
-Known for Megatron-Core 0.16.1 (the signature and the constructor's call are the same in
-0.13-0.16).
+Known for Megatron-Core 0.19.2 (the signature and the constructor's call are the same in
+0.13-0.19).
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ _fork_hook_installed = False
 
 
 def _forked_children_die_with_rank() -> None:
-    """Processes forked from a rank (dist_checkpointing forks one writer per file) inherit
+    """Processes forked from a rank (dist_checkpointing 0.16 forked one writer per file; 0.19
+    writes from threads, but a forked child, e.g. a data worker, still may) inherit
     its rendezvous socket. If the rank is killed mid-save they live on, blocked on a queue
     lock the rank held, and keep the port: the next launch on it fails with EADDRINUSE.
     So every child forked from here dies with its parent."""

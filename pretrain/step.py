@@ -48,7 +48,9 @@ def _forward_step(data_iterator, model):
         # chunks r and 2CP-1-r of 2 x CP (Megatron-Core's load-balanced causal split, which
         # RoPE and the portable CP attention assume). A no-op at CP 1. Document ids (with
         # data.reset_attention_mask) are split the same way.
-        batch = get_batch_on_this_cp_rank(dict(batch))
+        # 0.19 takes the group explicitly (None would mean the world group, not CP's).
+        batch = get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())
         device = next(model.parameters()).device
         batch = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
         tokens, position_ids = batch["tokens"], batch["position_ids"]
@@ -155,16 +157,16 @@ def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig
 def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> dict[str, float]:
     """Reduce and reset Megatron-Core's per-layer MoE loss tracker (every rank calls this).
 
-    The routers add each micro-batch's loss share to the tracker; `track_moe_metrics` sums
-    the shares over TP x CP, PP and averages over DP, as Megatron-LM's training loop does.
+    The routers add each micro-batch's loss share to the tracker; its `report` sums the
+    shares over PP and TP x CP and averages over DP, as Megatron-LM's training loop does.
     """
     if not config.model.is_moe:
         return {}
-    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     totals: dict = {}
-    track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals,
-                      num_layers=config.model.num_layers)
+    get_moe_metrics_tracker().report(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals,
+                                     num_layers=config.model.num_layers)
     return {name: float(value) for name, value in totals.items()}
 
 

@@ -91,9 +91,13 @@ def _ddp_config(config: ExperimentConfig, sharding: str) -> DistributedDataParal
         # outer-sharded variants get the grad norm wrong in 0.16.1: megatron_fixes/fsdp.py).
         num_distributed_optimizer_instances=layout.hsdp_replicas,
         outer_dp_sharding_strategy="no_shard",
-        # fp32 weights ARE the main weights: no second fp32 copy (exact; saves 4 bytes per
-        # parameter / shard group). Mixed precision keeps fp32 main weights.
-        preserve_fp32_weights=runtime.torch_dtype != torch.float32,
+        # fp32 weights ARE the main weights (None): no second fp32 copy (exact; saves 4 bytes
+        # per parameter / shard group). Mixed precision keeps fp32 main weights. Gradients are
+        # kept and reduced in fp32 whatever the weights' dtype: Megatron-FSDP no longer reads
+        # grad_reduce_in_fp32 (0.19), its main-grad dtype defaults to the weights'.
+        megatron_fsdp_main_params_dtype=None if runtime.torch_dtype == torch.float32 else torch.float32,
+        megatron_fsdp_main_grads_dtype=torch.float32,
+        megatron_fsdp_grad_comm_dtype=torch.float32,
     )
 
 

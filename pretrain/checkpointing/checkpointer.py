@@ -159,13 +159,16 @@ def _write_shards(root: Path, step: int, run_state, pool=None, log=print):
         state["scheduler"] = run_state.scheduler.state_dict()
         if pool is not None and not _staging_fits(pool, state, log):
             pool = None
+        # async_strategy "mcore": Megatron's own FileSystemWriterAsync, which our staging and
+        # write hooks wrap (0.19 defaults to NVIDIA Resiliency Extension's, not installed here;
+        # a sync save always uses Megatron's).
         if pool is None:
             with async_writer.without_clones():
                 request = dist_checkpointing.save(state, str(tmp))
         else:
             with async_writer.staging(pool):
                 request = dist_checkpointing.save(state, str(tmp), sharded_strategy=pool.strategy,
-                                                  async_sharded_save=True)
+                                                  async_sharded_save=True, async_strategy="mcore")
     rng_file(tmp, rank).parent.mkdir(exist_ok=True)
     torch.save(_rng_state(), rng_file(tmp, rank))
     return request

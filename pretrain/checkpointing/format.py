@@ -3,8 +3,10 @@
 Under a `checkpoint.dir`:
 
     step_00000020/          a complete checkpoint
-        __R_S.distcp ...    dist_checkpointing (torch_dist) shards, .metadata, metadata.json,
-        common.pt           and its non-sharded objects (the LR scheduler's numbers)
+        __R_S.distcp ...    dist_checkpointing (torch_dist) shards, .metadata, metadata.json;
+                            the non-sharded objects (the LR scheduler's numbers) are the
+                            object `common_state` inside the shards (format 2, Megatron-Core
+                            0.17+; format 1 kept them in a `common.pt` file, still read)
         rng/rank_<r>.pt     per-rank RNG states (training checkpoints only)
         meta.json           CheckpointMeta: step, consumed samples/tokens, layout, model,
                             precision (dtype, FP8 recipe), and every other file's size and
@@ -34,7 +36,7 @@ from pretrain.checkpointing.metadata import UnsafeCheckpoint, read_metadata_safe
 # (tests/pretrain/fixtures/checkpoint_v<N>). This code resumes every version from
 # OLDEST_READABLE on, bitwise; an older one is refused with the command that converts it,
 # which CONVERSIONS must name for every version below OLDEST_READABLE.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 OLDEST_READABLE = 1
 CONVERSIONS: dict[int, str] = {}  # format version -> the command that converts it to a readable one
 COMPLETE = "COMPLETE"

@@ -103,7 +103,12 @@ def _named_by_metadata(directory: Path) -> list[str]:
     """For checkpoints without a table: the files torch_dist needs (its .metadata names the shards)."""
 
     metadata = read_metadata_safely(directory / ".metadata")
-    return sorted({info.relative_path for info in metadata.storage_data.values()}) + [".metadata", "common.pt"]
+    names = sorted({info.relative_path for info in metadata.storage_data.values()}) + [".metadata"]
+    # Megatron-Core 0.17+ keeps the common state inside the shards (object `common_state`);
+    # a checkpoint written before keeps it in common.pt, which it then cannot load without.
+    if not any(key.startswith("common_state/") for key in metadata.state_dict_metadata):
+        names.append("common.pt")
+    return names
 
 
 def size_problems(directory: Path, table: Optional[dict]) -> list[str]:

@@ -9,7 +9,6 @@ Each module holds fixes of one kind. For every fix its docstring says what it ch
 guard (`_guard.expect_source`: a digest of the patched upstream source) that fails loudly at
 start-up when upstream has changed the patched object:
 
-- `no_te`: Megatron-Core 0.16.1 without Transformer Engine (a NameError in the MoE router).
 - `cpu`: stand-ins for CUDA APIs so the real code paths run on CPU through gloo (only when
   CUDA is absent).
 - `optimizer`: the distributed optimizer's checkpoint paths with torch's AdamW (no TE/Apex):
@@ -19,12 +18,19 @@ start-up when upstream has changed the patched object:
 - `dist_checkpointing`: dist_checkpointing's save planner hands tensors through a hook (async
   staging, no clones for sync saves); write results reported in-process (no Manager process
   per rank); safe loading (no code runs from a checkpoint); shards hashed as they are written.
-- `fsdp`: Megatron-FSDP (ZeRO-2/3, HSDP) on CPU, and the 0.16.1 bugs its layouts avoid.
+- `fsdp`: Megatron-FSDP (ZeRO-2/3, HSDP) on CPU, and the (0.16.1) bugs its layouts avoid.
 - `import_cost`: the torch.compile wrappers megatron.core builds as it is imported (2.8 CPU-s
   per process) deferred to each function's first call; installed when `pretrain` is imported
   (it must precede megatron.core's import), its guard checked here.
+- `quiet`: log lines about choices we made on purpose (the CUDA build of torch without a GPU,
+  GPTModel's deprecation, DDP's self-computed ZeRO-1 layout, Megatron's own async save),
+  filtered by their exact text.
 - `datasets`: the GPT dataset's cached loss mask, which kept the pad positions of the first
   sample a process served (so the loss depended on the DP layout with mock data).
+
+Deleted with Megatron-Core 0.19.2: `no_te` (0.16.1's MoE router hit a NameError without
+Transformer Engine, `te_general_gemm` undefined; 0.19's moe_utils.py defines it as None when TE
+is absent), and the fsdp stand-in for `TELinear` (fsdp.py says why).
 
 Not here, because it is per model rather than per process: `models/rope.py` completes
 Megatron-Core's Llama-3.1 RoPE scaling (GPTModel passes only the factor) with the model's
@@ -62,13 +68,13 @@ def apply(*, cpu: bool | None = None) -> None:
     CUDA is absent. Call before building models or optimizers."""
     import torch
 
-    from pretrain.megatron_fixes import datasets, dist_checkpointing, import_cost, no_te, optimizer
+    from pretrain.megatron_fixes import datasets, dist_checkpointing, import_cost, optimizer, quiet
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     quiet_cpu_fallback_warnings()
-    fixes = [("no_te", no_te.apply), ("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply),
-             ("import_cost", import_cost.apply), ("datasets", datasets.apply)]
+    fixes = [("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply),
+             ("import_cost", import_cost.apply), ("datasets", datasets.apply), ("quiet", quiet.apply)]
     if cpu:
         from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 
@@ -77,6 +83,13 @@ def apply(*, cpu: bool | None = None) -> None:
         if name not in _APPLIED:
             fix()
             _APPLIED.add(name)
+
+
+def modules() -> tuple:
+    """Every fix module, each with its `SOURCES` (the pinned upstream objects and digests)."""
+    from pretrain.megatron_fixes import cpu, datasets, dist_checkpointing, fsdp, import_cost, optimizer
+
+    return (cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets)
 
 
 def applied() -> frozenset[str]:

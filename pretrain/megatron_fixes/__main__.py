@@ -15,12 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.digests:
         parser.print_help()
         return 0
-    from pretrain.megatron_fixes import cpu, datasets, dist_checkpointing, fsdp, import_cost, no_te, optimizer
+    from pretrain.megatron_fixes import modules
     from pretrain.megatron_fixes._guard import megatron_core_version, resolve, source_digest
 
     print(f"megatron-core {megatron_core_version()}")
     changed = 0
-    for module in (no_te, cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets):
+    for module in modules():
         for target, expected in module.SOURCES.items():
             try:
                 installed = source_digest(resolve(target))

@@ -16,7 +16,7 @@ import hashlib
 import importlib
 import inspect
 
-KNOWN_MEGATRON_CORE = ("0.16.1",)
+KNOWN_MEGATRON_CORE = ("0.19.2",)
 
 
 class UpstreamChanged(RuntimeError):

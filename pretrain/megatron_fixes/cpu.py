@@ -3,7 +3,9 @@
 Applied by `pretrain.megatron_fixes.apply()` only when CUDA is absent; never at import time.
 Each stand-in changes device placement, a CUDA-only API or a gloo limitation, never the
 math, and says which Megatron-Core call site needs it (each found by running that path on
-CPU and reading where it failed). Known for megatron-core 0.16.1 with torch 2.13.
+CPU and reading where it failed). Known for megatron-core 0.19.2 with torch 2.13.0 (PyPI's CUDA
+build without a GPU: `torch.cuda.is_available()` is False, and e.g. `current_stream()`, which
+0.19's DDP calls on every gradient sync, raises "Found no NVIDIA driver" without the stand-in).
 Guards: the Megatron functions replaced here (`_batched_p2p_ops`, the tensor-parallel RNG
 state accessors) are pinned by source digest; the torch collectives wrapped here by their
 signatures.

@@ -27,7 +27,9 @@ all three switches off, the only case that caches, its result does not depend on
 so every sample, the first included, takes upstream's clone-then-mask path. Upstream issues
 NVIDIA/Megatron-LM#1269 and #1711 (closed) added the clone on the cached path only; the
 first-call path is the subject of the open pull request NVIDIA/Megatron-LM#6981. Known for
-0.16.1; the guard pins both functions, so a Megatron-Core that changed either stops start-up.
+0.19.2 (written for 0.16.1: 0.19 added `inter_document_masking` and returns one dict at the
+end, and still caches the first call's tensor itself, then masks it in place); the guard pins
+both functions, so a Megatron-Core that changed either stops start-up.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pretrain.megatron_fixes._guard import expect_sources
 
 _MODULE = "megatron.core.datasets.gpt_dataset"
 SOURCES = {
-    f"{_MODULE}:GPTDataset.__getitem__": "05cef6462ceb2bcf",
+    f"{_MODULE}:GPTDataset.__getitem__": "fc9cde713ea87aed",
     # Called by the fix; its loss mask is all ones, its positions an arange, whatever the tokens,
     # when the three document switches are off.
     f"{_MODULE}:_get_ltor_masks_and_position_ids": "a110cd827539489b",

@@ -1,4 +1,5 @@
-"""dist_checkpointing (torch_dist) save hooks. Known for megatron-core 0.16.1 with torch 2.13.
+"""dist_checkpointing (torch_dist) save hooks. Known for megatron-core 0.19.2 with torch 2.13
+(written for 0.16.1; what 0.19 changed is said with each fix).
 
 1. A hook on the save planner's tensors. `MCoreSavePlanner` (strategies/torch.py) inherits
    torch's `DefaultSavePlanner.resolve_data`, which returns each tensor the writer will
@@ -9,11 +10,13 @@
    aliases instead of the clones of every view that the writer would otherwise make
    (pretrain.checkpointing.async_writer says why each matters).
 2. No write-results Manager. Every save (sync or async) reports its write results through
-   `filesystem_async._get_write_results_queue()`, which spawns a multiprocessing Manager at
+   `filesystem_async.get_write_results_queue()`, which spawns a multiprocessing Manager at
    the first save. That Manager is a fresh interpreter per rank (it re-imports `__main__`,
    torch and our modules: ~5 CPU-s, measured on a one-step tiny-llama run) and, under Slurm,
    is exposed to the stop signal that asked for the save (seen: killed by USR1 as it
-   started, the stop-save failing). Our saves report from the process that asked for them
+   started, the stop-save failing). 0.19 renamed `_get_write_results_queue` to
+   `get_write_results_queue(mp_mode)`; it still creates the Manager lazily from the same
+   module global `_results_queue`, which is what we set. Our saves report from the process that asked for them
    (a sync save) or from our own writer process, which sends the results back with its
    done message (pretrain.checkpointing.async_writer). So `apply()` sets the module global
    the function returns to a plain in-process `queue.Queue`. Megatron's own async callers
@@ -26,14 +29,19 @@
    `read_metadata` now unpickles with `pretrain.checkpointing.metadata.MetadataUnpickler`
    (our safe reader, which admits only the DCP metadata classes a checkpoint's .metadata
    holds), and `load_bytes` with torch's weights-only unpickler. checkpoints_tools read
-   `.metadata` through that module's `read_metadata_safely` and never unpickle stored objects. `common.pt` and our
-   `rng/*.pt` are read with `weights_only=True` (torch's default since 2.6) already.
+   `.metadata` through that module's `read_metadata_safely` and never unpickle stored objects. A
+   format-1 `common.pt` and our `rng/*.pt` are read with `weights_only=True` (torch's default
+   since 2.6) already; 0.19's common state (the object `common_state` in the shards) is read
+   through `load_bytes`, so with the weights-only unpickler too.
 4. Shard files hashed as they are written. `FileSystemWriterAsync.write_preloaded_data`
    (strategies/filesystem_async.py, every torch_dist save, sync or async) opens each shard
    with `open_file = open; with open_file(file_name, "wb")`: the module global `open` is set
    to `pretrain.checkpointing.integrity.hashing_open`, which hashes the bytes on their way
    to the file (pretrain.checkpointing.integrity says what is done with the digests). Installed
    in the trainer and in our async writer process (`install_write_hashing`).
+   0.19 writes a checkpoint's files from threads of the saving process (the last bucket in
+   the calling thread) instead of forked processes; each file still opens through the module
+   global `open`, and each `_HashingFile` hashes only its own file.
 """
 
 from __future__ import annotations
@@ -53,13 +61,13 @@ SOURCES = {
     # MCoreSavePlanner inherits it; our hook wraps it.
     "torch.distributed.checkpoint.default_planner:DefaultSavePlanner.resolve_data": "852bcff10b56dac7",
     # Creates the Manager lazily from the module global we set.
-    "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue": "349269cbdd569d41",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue": "e395fb0e86a062e2",
     # Replaced: plain pickle.load of .metadata; torch.load(weights_only=False) of stored objects.
     "torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata": "8586ce344a523602",
     "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner.load_bytes": "666701f9808c4bc2",
     # Opens each shard through the module global `open`, which we set.
     "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.write_preloaded_data":
-        "0aef9e6cbe573e10",
+        "d6182c03ee672d1a",
 }
 
 def _install_safe_loading() -> None:

@@ -1,6 +1,6 @@
 """Start-up cost: the torch.compile wrappers Megatron-Core builds while it is imported.
 
-Megatron-Core 0.16.1's `megatron/core/jit.py` sets `jit_fuser = torch.compile` when it is
+Megatron-Core's `megatron/core/jit.py` (0.16.1, unchanged in 0.19.2) sets `jit_fuser = torch.compile` when it is
 imported (`enable_jit_fuser`), and ~20 functions of its fusions, activations, norms,
 attention and MoE modules are decorated `@jit_fuser` as `import megatron.core` runs. Each
 decoration builds a dynamo wrapper, and the first one imports torch._dynamo's frame

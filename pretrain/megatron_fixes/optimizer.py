@@ -1,6 +1,9 @@
 """The distributed optimizer's checkpoint paths, with torch's AdamW (no Transformer Engine
-or Apex: always on CPU). Known for megatron-core 0.16.1; each method below is pinned by the
-digest of the upstream source it was written against. All four are class-level overrides of
+or Apex: always on CPU). Known for megatron-core 0.19.2 (written for 0.16.1); each method
+below is pinned by the digest of the upstream source it was last read against. 0.19 changed
+five of the six: the state copies now skip non-tensor entries and follow the optimizer's
+state keys (for Lion), and `load_state_dict` matches parameter groups by an identifier tuple.
+torch's AdamW keeps `step` as a tensor, so fixes 1-3 still hold as written. All four are class-level overrides of
 `megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`, installed by `apply()`.
 
 1. `sharded_state_dict(is_loading=True)` of an optimizer that has never stepped. Upstream
@@ -10,7 +13,7 @@ digest of the upstream source it was written against. All four are class-level o
    optimizer a placeholder state while the state dict is built, then empty it again,
    because `load_state_dict` allocates the real state only when it is empty.
 2. `_set_main_param_and_optimizer_states` while loading the `fully_reshardable` format.
-   torch's AdamW keeps a per-parameter `step`, which 0.16.1 saves in the common state, not
+   torch's AdamW keeps a per-parameter `step`, which Megatron saves in the common state, not
    with the parameter shards, but this method copies every key of the live state and fails
    on `step`. A key missing from the loaded shard now keeps the value `load_state_dict`
    just restored.
@@ -36,11 +39,11 @@ from pretrain.megatron_fixes._guard import expect_sources
 _TARGET = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
 SOURCES = {
     f"{_TARGET}.state_dict": "fe621ae6a622b587",  # asserts a single `step` value (fix 1)
-    f"{_TARGET}.sharded_state_dict": "2d70893ff7c08a35",
-    f"{_TARGET}._set_main_param_and_optimizer_states": "93c254228283b2df",
-    f"{_TARGET}.load_state_dict": "15f257b4c4f9a7ef",
-    f"{_TARGET}.sharded_param_state_fully_reshardable": "e888c7cccb71525a",
-    f"{_TARGET}._get_main_param_and_optimizer_states": "b4a1328a3db8a0b2",  # read by optimizer_save
+    f"{_TARGET}.sharded_state_dict": "8beb5164ba90f3f9",
+    f"{_TARGET}._set_main_param_and_optimizer_states": "40cab784659711a8",
+    f"{_TARGET}.load_state_dict": "7e5f988b86b48501",
+    f"{_TARGET}.sharded_param_state_fully_reshardable": "6df6392a0ebb4c79",
+    f"{_TARGET}._get_main_param_and_optimizer_states": "716bb81f0fcd1852",  # read by optimizer_save
 }
 _FAST_SAVE = [True]
 

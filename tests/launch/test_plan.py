@@ -129,7 +129,7 @@ def test_sharded_candidates_follow_the_training_validation(llama8b_plan):
     evaluated = [e.candidate for e in llama8b_plan.ranked + llama8b_plan.dropped]
     assert {c.zero for c in evaluated} == {0, 1, 2, 3}
     assert any(c.hsdp_replicas > 1 for c in evaluated) and any(c.offload for c in evaluated)
-    # Megatron-FSDP 0.16.1 has no pipeline dimension; HSDP only with ZeRO-2/3.
+    # Megatron-FSDP (0.16.1-0.19.2) has no pipeline dimension; HSDP only with ZeRO-2/3.
     assert not [c for c in evaluated if c.zero >= 2 and c.pp > 1]
     assert not [c for c in evaluated if c.hsdp_replicas > 1 and c.zero < 2]
     moe = plan(get_recipe("mixtral-8x7b"), world_size=64, device=H100, space=SearchSpace(micro_batch=(1,)))

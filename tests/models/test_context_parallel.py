@@ -51,7 +51,9 @@ def compare_with_full_attention(seq: int, heads: int, groups: int) -> dict:
         module = ContextParallelAttention(config, 1, AttnMaskType.causal, "self")
 
         def local(t):  # this rank's chunks, as the data path splits them (sequence is dim 1 there)
-            return get_batch_on_this_cp_rank({"x": t.transpose(0, 1)})["x"].transpose(0, 1).contiguous()
+            return get_batch_on_this_cp_rank({"x": t.transpose(0, 1)}, is_hybrid_cp=False,
+                                             cp_group=parallel_state.get_context_parallel_group(),
+                                             )["x"].transpose(0, 1).contiguous()
 
         lq, lk, lv = (local(t).requires_grad_() for t in (q, k, v))
         out = module(lq, lk, lv, None)

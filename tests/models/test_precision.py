@@ -44,7 +44,7 @@ def test_supported_recipes_follow_transformer_engine_rules(facts, runs):
     ("blockwise", MachineFacts(capability=(9, 0), cuda="12.8", te_version="2.11.0"),
      "FP8 block scaling needs CUDA 12.9 or newer; torch is built for CUDA 12.8"),
     ("blockwise", MachineFacts(capability=(9, 0), cuda="13.0", te_version="2.2.0"),
-     "FP8 block scaling (Float8BlockScaling) needs Transformer Engine >= 2.3.0.dev0 (Megatron-Core 0.16.1); 2.2.0 is installed"),
+     "FP8 block scaling (Float8BlockScaling) needs Transformer Engine >= 2.3.0.dev0 (Megatron-Core 0.19.2); 2.2.0 is installed"),
     ("tensorwise", CPU, "FP8 current (per-tensor) scaling needs an NVIDIA GPU of compute capability 8.9 (Ada) "
                         "or newer; this machine has none"),
 ])

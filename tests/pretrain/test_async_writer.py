@@ -123,7 +123,7 @@ def test_the_writer_sends_write_results_back_to_the_trainer_queue(tmp_path):
     from pretrain.megatron_fixes.dist_checkpointing import write_results_queue
 
     results = write_results_queue()
-    assert isinstance(results, queue.Queue) and filesystem_async._get_write_results_queue() is results
+    assert isinstance(results, queue.Queue) and filesystem_async.get_write_results_queue() is results
     caller = WriterCaller()
     try:
         caller.schedule_async_call(_request(_report, 3, ["shard_0.distcp"], results))

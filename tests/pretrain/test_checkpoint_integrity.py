@@ -85,7 +85,7 @@ def test_flipped_bytes_in_the_newest_fall_back_to_the_previous_exactly(trained, 
 @pytest.mark.parametrize("damage, message", [
     ("truncate", "has 1000 bytes"),
     ("meta", "meta.json is unreadable"),
-    ("common", "common.pt is missing"),
+    ("megatron-metadata", "metadata.json is missing"),  # (format 1 had a common.pt to lose too)
 ])
 def test_cheaply_found_damage_is_refused_or_passed_over_before_training(trained, tmp_path, damage, message):
     ckpt = _copy(trained, tmp_path)
@@ -96,7 +96,7 @@ def test_cheaply_found_damage_is_refused_or_passed_over_before_training(trained,
     elif damage == "meta":
         (newest / "meta.json").write_text('{"step": 4, ')
     else:
-        (newest / "common.pt").unlink()
+        (newest / "metadata.json").unlink()
     code, out = _resume(ckpt, tmp_path, f"checkpoint.resume={newest}")
     assert code == 2 and message in out and "Traceback" not in out, out
     code, out = _resume(ckpt, tmp_path, "checkpoint.resume=auto", "schedule.train_steps=3")

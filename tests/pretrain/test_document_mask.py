@@ -117,7 +117,8 @@ def packed_vs_alone(flavor: str, masking: bool, reference: str | None = None) ->
         sample = _packed_sample(model_config.vocab_size, reset=masking)
         batch = _collate([sample], EOD if masking else None)
         assert ("document_ids" in batch) == masking
-        local = get_batch_on_this_cp_rank(dict(batch))  # as pretrain.step does; no-op at CP 1
+        local = get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False,  # as pretrain.step does; no-op at CP 1
+                                          cp_group=parallel_state.get_context_parallel_group())
         cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
         packed_losses, packed_grads = _losses_and_grads(model, local, local.get("document_ids"), cp_group)
 
@@ -125,7 +126,8 @@ def packed_vs_alone(flavor: str, masking: bool, reference: str | None = None) ->
             alone_losses, alone_grads = _alone(model, batch)
         else:  # made by `save_alone` on one rank (same weights: layout-invariant init)
             alone_losses, alone_grads = torch.load(reference)
-        alone = get_batch_on_this_cp_rank({"losses": alone_losses[None]})["losses"][0]
+        alone = get_batch_on_this_cp_rank({"losses": alone_losses[None]}, is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())["losses"][0]
         assert packed_losses.shape == alone.shape and packed_grads.keys() == alone_grads.keys()
         loss_error = ((packed_losses - alone).abs() / alone.abs()).max().item()
         grad_error = max(((packed_grads[n] - alone_grads[n]).abs().max() / alone_grads[n].abs().max()).item()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.megatron_fixes import _guard, cpu, datasets, dist_checkpointing, fsdp, import_cost, no_te, optimizer
+from pretrain.megatron_fixes import _guard, datasets, import_cost, modules
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "models", "data_pipeline", "launch", "checkpoints_tools")
@@ -24,7 +24,7 @@ def test_every_pin_matches_the_installed_megatron_core():
     result = subprocess.run([sys.executable, "-m", "pretrain.megatron_fixes", "--digests"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0 and "CHANGED" not in result.stdout, result.stdout + result.stderr
-    pinned = sum(len(m.SOURCES) for m in (no_te, cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets))
+    pinned = sum(len(m.SOURCES) for m in modules())
     assert result.stdout.count("\nok ") == pinned >= 10
 
 
@@ -125,3 +125,23 @@ def test_gpt_dataset_loss_mask_does_not_depend_on_the_sample_served_first(tmp_pa
     dataset[padded[0]]
     for i in clean + padded[1:]:
         assert torch.equal(dataset[i]["loss_mask"], masks[i]), f"sample {i} after sample {padded[0]}"
+
+
+def test_quiet_drops_exactly_the_pinned_messages_and_guards_their_text(caplog):
+    """megatron_fixes.quiet: each pinned message is dropped from its logger, every other record of
+    that logger passes, and a message that upstream no longer logs stops start-up."""
+    import logging
+
+    from pretrain.megatron_fixes import quiet
+
+    quiet.apply()
+    for name, prefixes in {**quiet.MEGATRON_MESSAGES, **quiet.TORCH_MESSAGES}.items():
+        logger = logging.getLogger(name)
+        with caplog.at_level(logging.WARNING, logger=name):
+            caplog.clear()
+            for prefix in prefixes:
+                logger.warning(prefix + " and the rest of the line")
+            logger.warning("another message from %s", name)
+        assert [r.getMessage() for r in caplog.records] == [f"another message from {name}"]
+    with pytest.raises(_guard.UpstreamChanged, match=r"megatron_fixes\.quiet: .*no longer logs 'GPTModel IS GONE'"):
+        quiet.check_messages({"megatron.core.models.gpt.gpt_model": ("GPTModel IS GONE",)})

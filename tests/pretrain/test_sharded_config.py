@@ -1,4 +1,4 @@
-"""Sharded data parallelism: the keys, and every composition Megatron-FSDP 0.16.1 cannot run
+"""Sharded data parallelism: the keys, and every composition Megatron-FSDP (0.16.1, kept for 0.19.2) cannot run
 (or runs wrong) refused before any process group, in one line that says why."""
 
 from __future__ import annotations

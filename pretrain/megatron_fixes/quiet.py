@@ -1,0 +1,93 @@
+"""Log lines of Megatron-Core (and torch) that every run of ours would print about choices we
+made on purpose, filtered by their exact text (every other record of those loggers passes).
+
+Known for megatron-core 0.19.2 with torch 2.13.0 (PyPI's CUDA build). Each filtered message is
+pinned by its text: `apply()` checks that the text still occurs in the source of the module
+that logs it, and raises `UpstreamChanged` naming the message when it does not (a reworded
+message would slip through the filter, and the decision behind it may need a fresh look).
+
+- torch `utils/cpp_extension.py` (`_find_cuda_home`): "No CUDA runtime is found, using
+  CUDA_HOME=..." when the CUDA build of torch runs on a machine without a GPU, as ours does on
+  CPU, at `import megatron.core` (tensor_parallel/random.py imports cpp_extension since 0.17).
+  Nothing of ours compiles a CUDA extension. Installed before megatron.core is imported
+  (`install_import_filters`, called from the `pretrain` package).
+- `models/gpt/gpt_model.py`, `GPTModel.__init__`: "GPTModel IS DEPRECATED ..." on every model
+  build. We stay on GPTModel with 0.19 (README: "GPTModel or HybridModel"; no removal version
+  is announced, and `tests/models/test_upstream_model.py` fails the day it goes).
+- `distributed/distributed_data_parallel.py`: "full_param_layout not provided with
+  use_distributed_optimizer=True" with ZeRO-1. DDP then computes the layout itself with its own
+  process groups and bucket size, which is what we want (a copy of that computation outside
+  DDP could only drift from it).
+- `_rank_utils.py`, `safe_get_rank`: the Python warning "Could not determine rank from
+  torch.distributed, RANK, or SLURM_PROCID. Defaulting to rank 0." whenever Megatron logs
+  through `log_single_rank` in a process without a process group, which ours do on purpose:
+  data preparation and validation (Megatron's dataset builders, in the launcher or a CLI)
+  run before any group exists, where rank 0 is the right answer. A warnings filter, also
+  repeated in pyproject.toml for pytest (which resets filters per test).
+- `dist_checkpointing/strategies/torch.py`: "MCore's async save is deprecated ..." at the
+  first save. Our async save is built on Megatron's `FileSystemWriterAsync` (our staging,
+  hashing and writer process); NVIDIA Resiliency Extension's is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+import warnings
+
+from pretrain.megatron_fixes._guard import UpstreamChanged
+
+# logger name (= the module that logs) -> the start of each message filtered there.
+MEGATRON_MESSAGES = {
+    "megatron.core.models.gpt.gpt_model": ("GPTModel IS DEPRECATED",),
+    "megatron.core.distributed.distributed_data_parallel": (
+        "DistributedDataParallel: full_param_layout not provided with",),
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCore's async save is deprecated",),
+}
+TORCH_MESSAGES = {"torch.utils.cpp_extension": ("No CUDA runtime is found",)}
+# module -> the start of each Python warning (warnings.warn) filtered from it.
+MEGATRON_WARNINGS = {"megatron.core._rank_utils": ("Could not determine rank from torch.distributed",)}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg if isinstance(record.msg, str) else ""
+        return not message.startswith(self.prefixes)
+
+
+def _install(messages: dict[str, tuple[str, ...]]) -> None:
+    for name, prefixes in messages.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(prefixes))
+
+
+def install_import_filters() -> None:
+    """The filters that must precede megatron.core's import (they import nothing)."""
+    _install(TORCH_MESSAGES)
+    for prefixes in MEGATRON_WARNINGS.values():
+        for prefix in prefixes:
+            warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)
+
+
+def check_messages(messages: dict[str, tuple[str, ...]]) -> None:
+    """UpstreamChanged unless every filtered message still occurs in its module's source."""
+    for name, prefixes in messages.items():
+        source = inspect.getsource(importlib.import_module(name))
+        for prefix in prefixes:
+            if prefix not in source:
+                raise UpstreamChanged(
+                    f"megatron_fixes.quiet: {name} no longer logs {prefix!r}; read what it logs now "
+                    "against pretrain/megatron_fixes/quiet.py")
+
+
+def apply() -> None:
+    check_messages({**MEGATRON_MESSAGES, **TORCH_MESSAGES, **MEGATRON_WARNINGS})
+    install_import_filters()
+    _install(MEGATRON_MESSAGES)
