@@ -66,3 +66,37 @@ def test_a_version_below_the_oldest_readable_is_refused_naming_its_conversion(tm
     spec = _spec(fixture)
     expect_refusal("pretrain", ["--recipe", spec["recipe"], *_resume_args(fixture, tmp_path)],
                    names=["format version 1", command], watch=fixture, cwd=tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ALL, ids=lambda p: p.name)
+def test_fixture_reshards_and_exports_with_the_same_logits(fixture, tmp_path):
+    """Every format version (v1: Megatron-Core 0.16.1's, common state in common.pt) is resharded
+    (to PP2, optimizer kept) into the current format and exported to Hugging Face; transformers'
+    logits of the export equal ours of the resharded checkpoint (checkpoints_tools.verify)."""
+    import os
+    import subprocess
+    import sys
+
+    from checkpoints_tools.dcp_io import read_common
+    from checkpoints_tools.export_hf import export_hf
+    from checkpoints_tools.reshard import reshard
+    from models.layout import ParallelLayout
+    from tests.distributed import REPO
+
+    before = snapshot(fixture)
+    source = fixture / _spec(fixture)["checkpoint"]
+    resharded, exported = tmp_path / "pp2", tmp_path / "hf"
+    reshard(source, resharded, layout=ParallelLayout(pipeline_parallel=2))
+    export_hf(source, exported, with_tokenizer=False)
+    assert not (resharded / "common.pt").exists()  # written in the current format
+    common, original = read_common(resharded), read_common(source)
+    assert common["scheduler"] == original["scheduler"] and common["scheduler"]["num_steps"] > 0
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "checkpoints_tools.verify", str(resharded), str(exported), "--json",
+                           "--seq", "16"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["passed"] and report["max_abs_diff"] <= 1e-4, report
+    assert snapshot(fixture) == before, "resharding or exporting changed the fixture"
