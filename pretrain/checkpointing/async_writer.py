@@ -281,3 +281,10 @@ class WriterQueue(AsyncCallsQueue):
     def _get_async_caller(self):
         return self.persistent_caller
 
+    def close(self, abort: bool = False) -> None:
+        # Megatron-Core 0.19's close() finishes the calls, then closes only the persistent
+        # caller it keeps on the class (none here): ours must be stopped too, or a rank that
+        # ends as a multiprocessing child waits forever on the writer when it exits.
+        super().close(abort=abort)
+        self.persistent_caller.close(abort=abort)
+
