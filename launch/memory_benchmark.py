@@ -79,15 +79,17 @@ def _optimizer_state(optimizer) -> tuple[list, set]:
 
 def _fsdp_bytes(state) -> dict:
     """Megatron-FSDP: per parameter group (megatron_fsdp/param_and_grad_buffer.py), the compute
-    weights `model_weight_buffer` (+ `transpose_weight_buffer`, + `hsdp_wbuf` under HSDP, of
-    which the former are views), the fp32 `main_weight_buffer` and `main_grad_buffer`
-    (+ `hsdp_gbuf`). Temporary all-gather / reduce-scatter buckets are not held between steps."""
+    weights `model_weight_buffer` (+ `transpose_weight_buffer`, + the hybrid-FSDP helper buffers
+    `hfsdp_helper_wbuf`/`_wtbuf`, which 0.19 has in place of 0.16's `hsdp_wbuf`), the fp32
+    `main_weight_buffer` and `main_grad_buffer` (+ `hfsdp_helper_gbuf` and `hsdp_comm_gbuf`,
+    once `hsdp_gbuf`). Temporary all-gather / reduce-scatter buckets are not held between steps."""
     weights, main, grads = [], [], []
     for chunk in state.model:
         for group in chunk.param_and_grad_buffer.parameter_groups:
             for buf, into in ((group.model_weight_buffer, weights), (group.transpose_weight_buffer, weights),
-                              (group.hsdp_wbuf, weights), (group.main_weight_buffer, main),
-                              (group.main_grad_buffer, grads), (group.hsdp_gbuf, grads)):
+                              (group.hfsdp_helper_wbuf, weights), (group.hfsdp_helper_wtbuf, weights),
+                              (group.main_weight_buffer, main), (group.main_grad_buffer, grads),
+                              (group.hfsdp_helper_gbuf, grads), (group.hsdp_comm_gbuf, grads)):
                 if buf is not None and getattr(buf, "data", None) is not None:
                     into.append(buf.data)
     moments, _ = _optimizer_state(state.optimizer)

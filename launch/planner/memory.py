@@ -161,9 +161,9 @@ def grad_bytes(c: Candidate, stage: int) -> float:
 def main_param_bytes(c: Candidate, stage: int) -> float:
     """fp32 master weights of 16-bit parameters: ZeRO-0: 4 P; ZeRO-1: 4 (P_dense / (DP x CP)
     + P_expert / expert-DP); ZeRO-2/3: 4 B / shard (Megatron-FSDP's main_weight_buffer,
-    preserve_fp32_weights=True). fp32 parameters need none (the optimizer updates them in
-    place; training wraps ZeRO-2/3 with preserve_fp32_weights=False). 0 on the GPU with
-    CPU offload (host_bytes)."""
+    megatron_fsdp_main_params_dtype=fp32). fp32 parameters need none (the optimizer updates
+    them in place; training wraps ZeRO-2/3 with megatron_fsdp_main_params_dtype=None). 0 on the
+    GPU with CPU offload (host_bytes)."""
     if c.param_bytes == 4 or c.offload:
         return 0.0
     if c.fsdp:

@@ -251,7 +251,7 @@ def test_zero2_zero3_static_bytes_hand_computed():
     assert [(b.numel, b.chunk, b.padded(4)) for b in fsdp_buckets(z2)] == [(3240, 16, 3264)]
     assert (param_bytes(z2, 0), grad_bytes(z2, 0), main_param_bytes(z2, 0), optimizer_state_bytes(z2, 0)) == (
         2 * 3264, 4 * 816, 4 * 816, 8 * 816)
-    # fp32 parameters: no separate main weights (preserve_fp32_weights=False).
+    # fp32 parameters: no separate main weights (megatron_fsdp_main_params_dtype=None).
     assert main_param_bytes(cand(world=4, zero=3, dtype="fp32"), 0) == 0
     # Adam's moments cover parameters, not padding: the last rank's slices hold 592 - 3 x 160
     # of each layer bucket and 2056 - 3 x 520 of the rest.
