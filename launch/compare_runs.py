@@ -8,10 +8,11 @@
 RUN_A and RUN_B are run directories (holding `metrics.jsonl`) or the files themselves. The
 training records of each are read by step (the last record of a step wins: a resumed run
 re-logs the steps after its checkpoint; evaluation records are left out). Each value of B is
-compared with A's at the same step: |a - b| <= atol + rtol * |a| (both missing, or both
-NaN, as in a skipped non-finite step, count as equal). Prints the per-step table and exits
-0 when every value is within the tolerance, 1 when one is not (the summary names the first),
-2 with one `error:` line on bad input: a missing or empty file, different step sets, or a
+compared with A's at the same step: |a - b| <= atol + rtol * |a| (both missing count as
+equal). A NaN or infinity in either run is never equal, not even to the same in the other:
+two runs that both diverged agree on nothing worth knowing. Prints the per-step table and
+exits 0 when every value is within the tolerance, 1 when one is not or is non-finite (the
+summary names the first such step and metric), 2 with one `error:` line on bad input: a missing or empty file, different step sets, or a
 metric neither run logged.
 
 `compare_records` is the comparison without the files or the table (the tests' per-step
@@ -49,6 +50,10 @@ class Cell:
         return abs(self.a - self.b) if self.a is not None and self.b is not None else None
 
     @property
+    def nonfinite(self) -> bool:
+        return any(v is not None and not math.isfinite(v) for v in (self.a, self.b))
+
+    @property
     def rel_diff(self) -> Optional[float]:
         diff = self.abs_diff
         if diff is None or diff == 0:
@@ -78,12 +83,24 @@ class Comparison:
         return [(row.step, cell) for row in self.rows for cell in row.cells if not cell.ok]
 
     @property
+    def nonfinite(self) -> list[tuple[int, Cell]]:
+        return [(row.step, cell) for row in self.rows for cell in row.cells if cell.nonfinite]
+
+    @property
     def ok(self) -> bool:
         return not self.failures
+
+    def verdict(self) -> str:
+        """`same`, `different`, or `non-finite` (a run diverged: reported before any difference)."""
+        return "non-finite" if self.nonfinite else "same" if self.ok else "different"
 
     def summary(self) -> str:
         values = len(self.rows) * len(self.metrics)
         tol = f"rtol {self.rtol:g}, atol {self.atol:g}"
+        if self.nonfinite:
+            step, cell = self.nonfinite[0]
+            return (f"{len(self.nonfinite)} of {values} values are NaN or infinite (a run diverged); first at "
+                    f"step {step}: {cell.metric} {_fmt(cell.a)} (A) vs {_fmt(cell.b)} (B)")
         if self.ok:
             return f"{len(self.rows)} steps x {', '.join(self.metrics)}: all {values} values within {tol}"
         step, cell = self.failures[0]
@@ -92,13 +109,12 @@ class Comparison:
 
 
 def values_match(a: Optional[float], b: Optional[float], *, rtol: float, atol: float) -> bool:
-    """|a - b| <= atol + rtol * |a|; both None or both NaN match, one of them alone does not."""
+    """|a - b| <= atol + rtol * |a|; both None match. A NaN or infinity matches nothing, not
+    even itself: agreement between two diverged runs is not agreement."""
     if a is None or b is None:
         return a is None and b is None
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    if math.isinf(a) or math.isinf(b):
-        return a == b
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return False
     return abs(a - b) <= atol + rtol * abs(a)
 
 
@@ -169,7 +185,8 @@ def print_table(comparison: Comparison, run_a: str, run_b: str, *, console) -> N
             diff = cell.rel_diff
             style = "" if cell.ok else "bold red"
             cells += [_fmt(cell.a), _fmt(cell.b), f"[{style}]{_fmt(diff, '.1e')}[/]" if style else _fmt(diff, ".1e")]
-        cells.append("" if row.ok else "[bold red]past tol[/]")
+        nonfinite = any(cell.nonfinite for cell in row.cells)
+        cells.append("[bold red]non-finite[/]" if nonfinite else "" if row.ok else "[bold red]past tol[/]")
         table.add_row(*cells)
     console.print(table)
 
@@ -212,8 +229,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     def body() -> int:
         comparison = compare_runs(args.run_a, args.run_b, metrics=metrics, rtol=args.rtol, atol=args.atol)
         print_table(comparison, args.run_a, args.run_b, console=console)
-        console.print(("[green]same[/]: " if comparison.ok else "[bold red]different[/]: ") + comparison.summary(),
-                      highlight=False, soft_wrap=True)
+        verdict = comparison.verdict()
+        style = "green" if verdict == "same" else "bold red"
+        console.print(f"[{style}]{verdict}[/]: " + comparison.summary(), highlight=False, soft_wrap=True)
         return 0 if comparison.ok else 1
 
     return run_cli(body, bad_input=(CompareError,))

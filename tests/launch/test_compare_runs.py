@@ -50,14 +50,30 @@ def _records(steps, **series) -> list[dict]:
 
 
 def test_compare_records_tolerance_and_missing_values():
-    a = _records([1, 2, 3], loss=[4.0, 3.0, 2.0], grad_norm=[1.0, None, float("nan")])
-    b = _records([1, 2, 3], loss=[4.0, 3.0 * (1 + 2e-5), 2.0], grad_norm=[1.0, None, float("nan")])
+    a = _records([1, 2, 3], loss=[4.0, 3.0, 2.0], grad_norm=[1.0, None, 0.5])
+    b = _records([1, 2, 3], loss=[4.0, 3.0 * (1 + 2e-5), 2.0], grad_norm=[1.0, None, 0.5])
     result = compare_records(a, b, rtol=1e-5)
     assert [(step, cell.metric) for step, cell in result.failures] == [(2, "loss")]
     assert compare_records(a, b, rtol=3e-5).ok
     assert compare_records(a, b, rtol=0, atol=1e-4).ok
     assert not values_match(1.0, None, rtol=1, atol=1) and not values_match(float("nan"), 1.0, rtol=1, atol=1)
     assert not values_match(math.inf, 1e308, rtol=1, atol=0) and values_match(None, None, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), math.inf])
+def test_non_finite_in_both_runs_is_a_finding_not_agreement(bad, tmp_path):
+    """Issue 48: two runs that both diverged (the same NaN or inf at step 2 in both) were
+    reported `same: ... all 4 values within rtol`, exit 0. Non-finite values match nothing."""
+    assert not values_match(bad, bad, rtol=1, atol=1)
+    runs = [_metrics(tmp_path / name, _records([1, 2], loss=[4.0, bad], grad_norm=[1.0, bad])) for name in "ab"]
+    result = run_cli("launch.compare_runs", runs)
+    assert result.code == 1, result.output
+    assert f"non-finite: 2 of 4 values are NaN or infinite (a run diverged); first at step 2: loss {bad:.6g} (A) " \
+           f"vs {bad:.6g} (B)" in result.output, result.output
+    assert "same" not in result.output.split()
+    finite = _metrics(tmp_path / "c", _records([1, 2], loss=[4.0, 3.0], grad_norm=[1.0, 0.5]))  # one run diverged
+    result = run_cli("launch.compare_runs", [finite, runs[1]])
+    assert result.code == 1 and f"first at step 2: loss 3 (A) vs {bad:.6g} (B)" in result.output, result.output
 
 
 @pytest.mark.parametrize("a, b, message", [
