@@ -126,6 +126,9 @@ def transformer_config(
         gradient_accumulation_fusion=_pick(runtime.gradient_accumulation_fusion, False),
         persist_layer_norm=False,
         attention_backend=AttnBackend.auto if spec == "te" else AttnBackend.local,
+        # No CUDA graphs (cuda_graph_impl stays "none"). 0.19's default, "full", means the same
+        # as empty here but warns its own deprecation at every model build.
+        cuda_graph_modules=[],
     )
     if runtime.fused_cross_entropy:
         # TE's fused vocab-parallel cross-entropy (logits never materialised in fp32).

@@ -27,6 +27,21 @@ message would slip through the filter, and the decision behind it may need a fre
 - `dist_checkpointing/strategies/torch.py`: "MCore's async save is deprecated ..." at the
   first save. Our async save is built on Megatron's `FileSystemWriterAsync` (our staging,
   hashing and writer process); NVIDIA Resiliency Extension's is not installed.
+- `models/mimo/config/base_configs.py`: the Python warning "MimoModelConfig is experimental
+  ..." at its import, which `get_megatron_optimizer` does on every call (an isinstance check
+  for MimoModel). We build no MIMO model.
+- torch `distributed/distributed_c10d.py`: the FutureWarnings "`torch.distributed.
+  reduce_scatter_tensor` is deprecated" and "`...all_gather_into_tensor` is deprecated" (torch
+  2.13), at the first step: Megatron's DDP buffers (`param_and_grad_buffer.py`) call them with
+  the distributed optimizer. Megatron's call, not ours; the functions still work.
+- torch's C++ "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+  (a UserWarning) at every `zero_grad`: the distributed optimizer zeroes the grads of its fp32
+  shards, which are views of the parameters (Megatron's own comment there: "throws
+  grad-access warning"); reading an unset `.grad` of a view is harmless (None). Filtered only
+  where it is raised from: Megatron's optimizer module, or on CPU our `megatron_fixes.cpu`
+  torch-function mode, which every torch call passes through. Its text lives in torch's C++,
+  so the guard provokes it once and compares; Megatron's comment is the other guard: when it
+  goes, so may the access.
 """
 
 from __future__ import annotations
@@ -48,7 +63,17 @@ MEGATRON_MESSAGES = {
 }
 TORCH_MESSAGES = {"torch.utils.cpp_extension": ("No CUDA runtime is found",)}
 # module -> the start of each Python warning (warnings.warn) filtered from it.
-MEGATRON_WARNINGS = {"megatron.core._rank_utils": ("Could not determine rank from torch.distributed",)}
+MEGATRON_WARNINGS = {
+    "megatron.core._rank_utils": ("Could not determine rank from torch.distributed",),
+    "megatron.core.models.mimo.config.base_configs": ("MimoModelConfig is experimental",),
+    # Megatron calls these (DDP's buffers); the message is in torch's source, not Megatron's.
+    "torch.distributed.distributed_c10d": ("`torch.distributed.reduce_scatter_tensor` is deprecated",
+                                           "`torch.distributed.all_gather_into_tensor` is deprecated"),
+}
+NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+# Where the non-leaf .grad warning is raised from (above), and the source line that explains it.
+NON_LEAF_GRAD_MODULES = r"(megatron\.core\.optimizer\.optimizer|pretrain\.megatron_fixes\.cpu)$"
+NON_LEAF_GRAD_CAUSE = {"megatron.core.optimizer.distrib_optimizer": ("self.shard_fp32_groups,  # throws grad-access warning",)}
 
 
 class _DropMessages(logging.Filter):
@@ -73,7 +98,23 @@ def install_import_filters() -> None:
     _install(TORCH_MESSAGES)
     for prefixes in MEGATRON_WARNINGS.values():
         for prefix in prefixes:
-            warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)
+            category = FutureWarning if "is deprecated" in prefix else UserWarning
+            warnings.filterwarnings("ignore", message=re.escape(prefix), category=category)
+    warnings.filterwarnings("ignore", message=re.escape(NON_LEAF_GRAD), category=UserWarning,
+                            module=NON_LEAF_GRAD_MODULES)
+
+
+def check_non_leaf_grad_text() -> None:
+    """UpstreamChanged unless reading an unset .grad of a view still warns NON_LEAF_GRAD."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _ = torch.zeros(2, requires_grad=True).view(-1).grad
+    if not any(str(w.message).startswith(NON_LEAF_GRAD) for w in caught):
+        raise UpstreamChanged(f"megatron_fixes.quiet: torch no longer warns {NON_LEAF_GRAD!r} on a view's "
+                              f"unset .grad (it warned {[str(w.message)[:80] for w in caught]}); read "
+                              "pretrain/megatron_fixes/quiet.py")
 
 
 def check_messages(messages: dict[str, tuple[str, ...]]) -> None:
@@ -88,6 +129,8 @@ def check_messages(messages: dict[str, tuple[str, ...]]) -> None:
 
 
 def apply() -> None:
-    check_messages({**MEGATRON_MESSAGES, **TORCH_MESSAGES, **MEGATRON_WARNINGS})
+    # Filters first: the check imports the modules, and importing the MIMO config warns.
     install_import_filters()
+    check_messages({**MEGATRON_MESSAGES, **TORCH_MESSAGES, **MEGATRON_WARNINGS, **NON_LEAF_GRAD_CAUSE})
+    check_non_leaf_grad_text()
     _install(MEGATRON_MESSAGES)

@@ -145,3 +145,30 @@ def test_quiet_drops_exactly_the_pinned_messages_and_guards_their_text(caplog):
         assert [r.getMessage() for r in caplog.records] == [f"another message from {name}"]
     with pytest.raises(_guard.UpstreamChanged, match=r"megatron_fixes\.quiet: .*no longer logs 'GPTModel IS GONE'"):
         quiet.check_messages({"megatron.core.models.gpt.gpt_model": ("GPTModel IS GONE",)})
+
+
+# What a single-rank run of ours prints (stdout and stderr together): its own lines only.
+OWN_LINES = (
+    r"\[tiny-llama\] ",  # the banner and the closing line
+    r"step \d+/\d+ \| loss ",  # the step lines
+    r"saved checkpoint ",
+    r"encoder: ",  # preparing the demo data: which tokenizer encodes it (data_pipeline.preprocess)
+)
+
+
+def test_a_single_rank_run_prints_no_library_warning(tmp_path):
+    """Issue 48: `python -m pretrain` as a user runs it (a fresh process, default warning
+    filters, tensorboard on, a save at the end) printed Megatron's cuda_graph deprecation, the
+    MIMO config's experimental note, a non-leaf `.grad` warning raised through our CPU fix, and
+    torch's reduce_scatter_tensor / all_gather_into_tensor deprecations. Any line that is not
+    one of ours fails, so a new library warning shows up here first."""
+    from tests.bad_input import run_cli
+
+    result = run_cli("pretrain", ["--recipe", "tiny-llama", "schedule.train_steps=2", f"logging.run_dir={tmp_path / 'run'}",
+                                  f"checkpoint.dir={tmp_path / 'ckpt'}"],
+                     subprocess=True, env={"COLUMNS": "1000"})  # COLUMNS: rich does not wrap the encoder line
+    assert result.code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert any(line.startswith("step 2/2") for line in lines), result.output
+    unexpected = [line for line in lines if not any(re.match(own, line) for own in OWN_LINES)]
+    assert not unexpected, "\n".join(unexpected)
