@@ -54,6 +54,13 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of_name(name: str) -> Optional[int]:
+    """The step a `step_NNNNNNNN` name stands for (None for any other name): read from the name,
+    since a damaged checkpoint's meta.json may be unreadable."""
+    digits = name[len("step_"):] if name.startswith("step_") else ""
+    return int(digits) if digits.isdigit() else None
+
+
 def tmp_dir_name(step: int) -> str:
     return f".tmp.{step_dir_name(step)}"
 

@@ -3,14 +3,18 @@
 Before any process group (`plan_resume`): the checkpoint `checkpoint.resume` names (or, for
 `auto`, the candidates in order: `latest`'s, then newest first), each passed over with a
 warning if it is incomplete or damaged in a way a stat finds (format.damage); an explicit
-path that fails is an error. Checkpoints NEWER than the resume point would be overwritten
+path that fails is an error. `auto` with no usable checkpoint where checkpoints were saved
+(a damaged one, or a `latest` naming one that is gone) is an error too, never a fresh start:
+a requeued job would retrain from step 0 and overwrite the evidence. Only a folder holding
+nothing but interrupted saves (a crash during the first save) starts fresh: nothing is lost. Checkpoints NEWER than the resume point would be overwritten
 or mixed with this run's saves: `checkpoint.on_newer=refuse` (default) stops here, naming
 them; `move_aside` moves them into `<checkpoint.dir>/superseded-<time>/`.
 
 After the process group exists (`settle`): the checksums of the chosen checkpoint are
 verified (`checkpoint.verify_checksums`, default on), its files spread over the ranks; a
 damaged `auto` choice falls back to the next candidate with a warning and is moved aside
-as `damaged.<name>` so no later run trips over it.
+as `damaged.<name>` so no later run trips over it; when none is left, the run is refused as
+above (nothing is moved). A fallback says which step it resumes from and how many are lost.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ import torch.distributed as dist
 
 from pretrain.checkpointing.format import (
     CheckpointError,
+    LATEST,
     CheckpointMeta,
     complete_checkpoints,
     damage,
     is_complete,
     looks_like_checkpoint,
+    read_latest,
     step_dir_name,
+    step_of_name,
     usable_checkpoints,
 )
 from pretrain.checkpointing.integrity import checksum_problems
@@ -69,6 +76,36 @@ def _explicit_path(config: ExperimentConfig, root: Optional[Path]) -> Path:
     return path
 
 
+def _refuse_fresh_start(root: Path, damaged: dict[Path, str]) -> None:
+    """`auto` found nothing usable: CheckpointError when `root` shows checkpoints were saved
+    (a damaged one; or `latest`, written only after a checkpoint completed, naming one that is
+    not there), so the run does not quietly restart from step 0; returns when there is none."""
+    found = [f"{path.name} is damaged ({why})" for path, why in damaged.items()]
+    name = read_latest(root)
+    if name is not None and not is_complete(root / name):
+        found.append(f"{LATEST} names {name!r}, which is {'incomplete' if (root / name).exists() else 'missing'}")
+    if not found:
+        return
+    # resume=none alone would be refused too while complete (damaged) checkpoints remain: they
+    # look newer than step 0 (on_newer).
+    fresh = "checkpoint.resume=none" + (" checkpoint.on_newer=move_aside (moves them into superseded-<time>/)"
+                                        if damaged else "")
+    raise CheckpointError(
+        f"checkpoint.resume=auto: no usable checkpoint in {root}: {'; '.join(found)}. Not starting from step 0, "
+        f"which would silently retrain what they held; to start fresh on purpose: {fresh}, or another "
+        "checkpoint.dir; to resume one explicitly: checkpoint.resume=PATH")
+
+
+def _report_fallback(root: Path, chosen: Path, damaged: list[Path], log: Callable[[str], None]) -> None:
+    """`auto` resumes from an older checkpoint than the newest saved: which step, and the steps lost."""
+    names = [p.name for p in damaged] + [read_latest(root) or ""]
+    newest = max((s for s in map(step_of_name, names) if s is not None), default=None)
+    step = CheckpointMeta.read(chosen).step
+    if newest is not None and newest > step:
+        log(f"warning: resuming from step {step} ({chosen}), not from step {newest}: "
+            f"{newest - step} steps are lost and will be trained again")
+
+
 def plan_resume(config: ExperimentConfig, log: Callable[[str], None]) -> ResumePlan:
     """Before any process group: the candidates, and the newer checkpoints they would clash with."""
     spec = str(config.checkpoint.resume)
@@ -77,10 +114,15 @@ def plan_resume(config: ExperimentConfig, log: Callable[[str], None]) -> ResumeP
     if spec == "none":
         candidates, explicit = [], False
     elif spec == "auto":
-        candidates = usable_checkpoints(root, log) if root is not None else []
+        warnings: list[str] = []  # shown unless the error below says it all in one line
+        candidates = usable_checkpoints(root, warnings.append) if root is not None else []
         complete = complete_checkpoints(root) if root is not None else []
         passed_over = [p for p in complete if p not in candidates]
         explicit = False
+        if root is not None and not candidates:
+            _refuse_fresh_start(root, {p: "; ".join(damage(p)) for p in passed_over})
+        for line in warnings:
+            log(line)
     else:
         candidates, explicit = [_explicit_path(config, root)], True
     start = CheckpointMeta.read(candidates[0]).step if candidates else 0
@@ -124,17 +166,24 @@ def settle(plan: ResumePlan, config: ExperimentConfig, log: Callable[[str], None
     move damaged and (with on_newer=move_aside) newer checkpoints aside; the checkpoint to load."""
     root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
     damaged = list(plan.passed_over)
+    reasons = {p: "; ".join(damage(p)) for p in damaged}
     chosen = None
     for path in plan.candidates:
         problems = _checksum_problems_everywhere(path) if config.checkpoint.verify_checksums else []
+        reasons[path] = "; ".join(problems)
         if not problems:
             chosen = path
             break
         if plan.explicit:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}; resume from an "
                                   "earlier step (checkpoint.resume=auto picks the newest undamaged one)")
-        log(f"warning: checkpoint {path} is damaged ({'; '.join(problems)}); falling back to an earlier one")
+        next_one = "; falling back to an earlier one" if path != plan.candidates[-1] else ""
+        log(f"warning: checkpoint {path} is damaged ({'; '.join(problems)}){next_one}")
         damaged.append(path)
+    if root is not None and plan.candidates and chosen is None:
+        _refuse_fresh_start(root, {p: reasons[p] for p in damaged})  # every candidate failed its checksums
+    if root is not None and chosen is not None and not plan.explicit:
+        _report_fallback(root, chosen, damaged, log)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if root is not None:
         # Renamed out of the step_* namespace: no later run or tool takes them for checkpoints.

@@ -77,6 +77,7 @@ def test_flipped_bytes_in_the_newest_fall_back_to_the_previous_exactly(trained, 
     code, out = _resume(ckpt, tmp_path, "checkpoint.resume=auto")
     assert code == 0, out
     assert "step_00000004 is damaged" in out and "falling back" in out and "resumed from" in out, out
+    assert "resuming from step 2" in out and "not from step 4: 2 steps are lost" in out, out
     assert _losses(tmp_path) == {3: trained[1][2], 4: trained[1][3]}  # bitwise: the same run
     assert [p.name for p in ckpt.iterdir() if p.name.startswith("damaged.step_00000004")]
     assert (ckpt / "latest").read_text().strip() == "step_00000004" and (ckpt / "step_00000004" / "COMPLETE").is_file()
@@ -101,7 +102,53 @@ def test_cheaply_found_damage_is_refused_or_passed_over_before_training(trained,
     assert code == 2 and message in out and "Traceback" not in out, out
     code, out = _resume(ckpt, tmp_path, "checkpoint.resume=auto", "schedule.train_steps=3")
     assert code == 0 and f"skipping damaged checkpoint {newest}" in out and message in out, out
+    assert "resuming from step 2" in out and "not from step 4: 2 steps are lost" in out, out
     assert _losses(tmp_path) == {3: trained[1][2]}
+
+
+def _only_newest(trained, tmp_path):
+    ckpt = _copy(trained, tmp_path)
+    shutil.rmtree(ckpt / "step_00000002")
+    return ckpt, ckpt / "step_00000004"
+
+
+def _refused(code, out, *names):
+    """Exit 2, one `error:` line naming every fragment, no traceback."""
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in out, out
+    assert all(name in errors[0] for name in names), errors[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_auto_with_its_only_checkpoint_damaged_refuses_to_start_fresh(trained, tmp_path, damage):
+    """Issue 48: the only checkpoint damaged (a shard truncated: found by a stat before any
+    process group; bytes flipped: by the checksums after) and `auto` moved it aside and trained
+    from step 0, exit 0: under Slurm's requeue a long run would restart from scratch. Now it
+    refuses, keeps the checkpoint where it was, and says how to start fresh on purpose."""
+    ckpt, only = _only_newest(trained, tmp_path)
+    shard = sorted(only.glob("*.distcp"))[0]
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:1000])
+    else:
+        _flip(shard)
+    code, out = _resume(ckpt, tmp_path, "checkpoint.resume=auto")
+    _refused(code, out, "no usable checkpoint", "step_00000004 is damaged", shard.name,
+             "checkpoint.resume=none checkpoint.on_newer=move_aside")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+    assert (only / "COMPLETE").is_file() and sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000004"]
+    if damage == "truncate":  # the way out it names works
+        code, out = _resume(ckpt, tmp_path, "checkpoint.resume=none", "checkpoint.on_newer=move_aside", steps=1)
+        assert code == 0 and list(ckpt.glob("superseded-*/step_00000004")), out
+
+
+def test_auto_with_latest_naming_a_missing_checkpoint_refuses_to_start_fresh(trained, tmp_path):
+    ckpt, only = _only_newest(trained, tmp_path)
+    shutil.rmtree(only)  # `latest` still names it
+    code, out = _resume(ckpt, tmp_path, "checkpoint.resume=auto")
+    _refused(code, out, "no usable checkpoint", "latest names 'step_00000004', which is missing",
+             "checkpoint.resume=none")
+    assert "on_newer" not in out  # nothing complete is left to move aside
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_resuming_from_an_older_step_never_deletes_or_overwrites_the_newer(trained, tmp_path):
@@ -125,3 +172,18 @@ def test_a_fresh_run_into_a_used_checkpoint_dir_is_refused(trained, tmp_path):
     ckpt = _copy(trained, tmp_path)
     code, out = _resume(ckpt, tmp_path, "checkpoint.resume=none", steps=2)
     assert code == 2 and "from scratch" in out and "step_00000002, step_00000004" in out, out
+
+
+def test_auto_in_a_folder_of_interrupted_first_saves_starts_fresh(tmp_path):
+    """Nothing was ever completed there (no COMPLETE, no `latest`): nothing to lose, no refusal."""
+    from pretrain.checkpointing.resume import plan_resume
+    from pretrain.cli import resolve_config
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / ".tmp.step_00000002").mkdir(parents=True)
+    (ckpt / "step_00000004").mkdir()
+    (ckpt / "step_00000004" / "meta.json").write_text("{}")
+    config = resolve_config("tiny-llama", None, BASE + [f"checkpoint.dir={ckpt}", "checkpoint.resume=auto"])
+    warnings: list[str] = []
+    assert plan_resume(config, warnings.append).first is None
+    assert any("incomplete checkpoint" in w for w in warnings), warnings
