@@ -12,7 +12,7 @@ Order (each step needs the previous one):
   3. Hooks on the TransformerConfig that the schedules call: no_sync for gradient
      accumulation across microbatches, finalize_model_grads (DP reduce, tied-embedding
      and sequence-parallel norm reduces, per-token loss scaling), grad_scale_func (fp16).
-  4. `OptimizerParamScheduler`: linear warmup then cosine/linear decay to min_lr.
+  4. `OptimizerParamScheduler`: linear warmup then cosine/linear/WSD decay to min_lr.
 """
 
 from __future__ import annotations
@@ -142,7 +142,10 @@ def _scheduler(optimizer, config: ExperimentConfig) -> OptimizerParamScheduler:
         min_lr=opt.min_lr,
         lr_warmup_steps=sched.warmup_steps,
         lr_decay_steps=max(decay_steps, sched.warmup_steps + 1),
-        lr_decay_style=sched.decay_style,
+        # Megatron-Core spells it "WSD"; the cooldown ends at lr_decay_steps.
+        lr_decay_style="WSD" if sched.decay_style == "wsd" else sched.decay_style,
+        wsd_decay_steps=sched.wsd_cooldown_steps,
+        lr_wsd_decay_style=sched.lr_wsd_decay_style,
         start_wd=opt.weight_decay,
         end_wd=opt.weight_decay,
         wd_incr_steps=decay_steps,

@@ -70,9 +70,15 @@ class OptimizerConfig(_Strict):
 class ScheduleConfig(_Strict):
     train_steps: int = Field(default=100, gt=0)
     warmup_steps: int = Field(default=10, ge=0)
-    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     # None = decay over all train_steps.
     decay_steps: Optional[int] = Field(default=None, gt=0)
+    # wsd (warmup-stable-decay): max LR until the cooldown, which ends at the decay span's end.
+    # Its length as steps or as a fraction of the decay span (one of the two), its shape with
+    # Megatron-Core's names (OptimizerParamScheduler's wsd_decay_steps / lr_wsd_decay_style).
+    wsd_decay_steps: Optional[int] = Field(default=None, gt=0)
+    wsd_decay_fraction: Optional[float] = Field(default=None, gt=0, le=1)
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "linear"
     micro_batch_size: int = Field(default=1, gt=0)
     global_batch_size: int = Field(default=8, gt=0)
     seq_length: int = Field(default=256, gt=0)
@@ -87,7 +93,33 @@ class ScheduleConfig(_Strict):
             raise ValueError(f"schedule.decay_steps={self.decay_steps} must exceed schedule.warmup_steps="
                              f"{self.warmup_steps} (decay starts after warmup); raise decay_steps or unset it "
                              "to decay over train_steps")
+        self._check_wsd()
         return self
+
+    @property
+    def wsd_cooldown_steps(self) -> Optional[int]:
+        """Cooldown length in steps (wsd only): wsd_decay_steps, or the fraction of the decay span."""
+        if self.decay_style != "wsd":
+            return None
+        if self.wsd_decay_steps is not None:
+            return self.wsd_decay_steps
+        return max(1, round(self.wsd_decay_fraction * (self.decay_steps or self.train_steps)))
+
+    def _check_wsd(self) -> None:
+        given = [k for k in ("wsd_decay_steps", "wsd_decay_fraction") if getattr(self, k) is not None]
+        if self.decay_style != "wsd":
+            if given:  # a cooldown that would silently do nothing
+                raise ValueError(f"schedule.{given[0]} is set but schedule.decay_style={self.decay_style}; "
+                                 "set schedule.decay_style=wsd or remove it")
+            return
+        if len(given) != 1:
+            raise ValueError("schedule.decay_style=wsd needs exactly one of schedule.wsd_decay_steps or "
+                             f"schedule.wsd_decay_fraction (got {', '.join(given) or 'neither'})")
+        span = (self.decay_steps or self.train_steps) - self.warmup_steps
+        if self.wsd_cooldown_steps > span:
+            raise ValueError(f"schedule wsd cooldown of {self.wsd_cooldown_steps} steps is longer than the "
+                             f"{span} steps between warmup ({self.warmup_steps}) and the decay end "
+                             f"({self.decay_steps or self.train_steps}); shorten it or lengthen the run")
 
 
 class DataConfig(_Strict):

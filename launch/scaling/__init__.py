@@ -1,0 +1,1 @@
+"""Scaling-law fits over a table of training runs (`python -m launch.scaling fit`)."""
