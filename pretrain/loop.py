@@ -120,7 +120,8 @@ def _setup_distributed(config: ExperimentConfig, world_size: int, spec: str, res
     if resume_from is not None:
         watchdog.setup_phase(f"loading {resume_from}")
         with stop.interruptible():
-            start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0))
+            start_step = checkpoint.load(resume_from, state, config, world_size, lambda m: info(m, env.rank == 0),
+                                         branch=resume.branch)
         if config.runtime.inject_hang_step is not None:  # test-only: a requeued job gets past it
             config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"inject_hang_step": None})})
         stop.check_setup()
@@ -133,7 +134,9 @@ def _setup_distributed(config: ExperimentConfig, world_size: int, spec: str, res
     peak = detect_device_peak(config.logging.device_peak, config.runtime.dtype, bool(config.runtime.fp8))
     sched = config.schedule
     tracking = config.tracking.mlflow or config.tracking.wandb
-    trackers = open_trackers(config, log_rank and tracking, resume_meta and resume_meta.tracker_runs, info)
+    # A branch is a run of its own: new tracker runs, not the stable run's continued.
+    continued = None if resume.branch else resume_meta and resume_meta.tracker_runs
+    trackers = open_trackers(config, log_rank and tracking, continued, info)
     timers = _timers(config, env.rank)
     return Run(
         config=config, world_size=world_size, state=state, datasets=datasets,

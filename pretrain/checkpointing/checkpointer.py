@@ -377,8 +377,25 @@ def _load_model_only(path: Path, run_state, meta: CheckpointMeta, log) -> int:
     return meta.step
 
 
-def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) -> int:
-    """Load model, optimizer, scheduler (and RNG if the layout is unchanged); returns the step."""
+def _load_scheduler(scheduler, saved: dict, branch: bool) -> None:
+    """A resume takes the saved schedule (Megatron's use_checkpoint_opt_param_scheduler, as we
+    build it). A branch keeps only the saved step count: its LR schedule is this config's
+    (Megatron-LM's --override-opt-param-scheduler, for this one load; the values that must
+    agree were checked by branch.check_branch)."""
+    if not branch:
+        scheduler.load_state_dict(saved)
+        return
+    flags = scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler
+    scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
+    try:
+        scheduler.load_state_dict(saved)
+    finally:
+        scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = flags
+
+
+def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log, branch: bool = False) -> int:
+    """Load model, optimizer, scheduler (and RNG if the layout is unchanged); returns the step.
+    `branch`: a cooldown branch (checkpoint.branch_from): the LR schedule is the config's."""
     meta = check_compatible(path, config)
     warning = precision_change(path, meta, config)
     if warning:
@@ -396,13 +413,18 @@ def load(path: Path, run_state, config: ExperimentConfig, world_size: int, log) 
         for i, chunk in enumerate(run_state.model):
             chunk.module.load_state_dict(loaded[model_state_key(i, chunks)])
         run_state.optimizer.load_state_dict(loaded["optimizer"])
-    run_state.scheduler.load_state_dict(loaded["scheduler"])
+    _load_scheduler(run_state.scheduler, loaded["scheduler"], branch)
     now = config.parallel.describe(world_size)
     rng = rng_file(path, dist.get_rank())
+    how = "branched" if branch else "resumed"
     if meta.layout_name == now and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=True))
-        log(f"resumed from {path} at step {meta.step} (layout {now})")
+        log(f"{how} from {path} at step {meta.step} (layout {now})")
     else:
-        log(f"resumed from {path} at step {meta.step}: resharded from {meta.layout_name} to {now} "
+        log(f"{how} from {path} at step {meta.step}: resharded from {meta.layout_name} to {now} "
             "(RNG states not restored: they are per rank)")
+    if branch:
+        sched = config.schedule
+        log(f"cooldown branch: {sched.wsd_cooldown_steps} steps ({sched.lr_wsd_decay_style}) from step {meta.step} "
+            f"to {sched.train_steps}, LR {config.optimizer.lr:g} -> {config.optimizer.min_lr:g}")
     return meta.step

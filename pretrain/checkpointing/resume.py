@@ -10,6 +10,9 @@ nothing but interrupted saves (a crash during the first save) starts fresh: noth
 or mixed with this run's saves: `checkpoint.on_newer=refuse` (default) stops here, naming
 them; `move_aside` moves them into `<checkpoint.dir>/superseded-<time>/`.
 
+With `checkpoint.branch_from` (a cooldown branch, pretrain.checkpointing.branch) and `auto`
+finding nothing in checkpoint.dir, the branch point is the one candidate, checked there.
+
 After the process group exists (`settle`): the checksums of the chosen checkpoint are
 verified (`checkpoint.verify_checksums`, default on), its files spread over the ranks; a
 damaged `auto` choice falls back to the next candidate with a warning and is moved aside
@@ -39,6 +42,7 @@ from pretrain.checkpointing.format import (
     step_of_name,
     usable_checkpoints,
 )
+from pretrain.checkpointing.branch import check_branch, check_request
 from pretrain.checkpointing.integrity import checksum_problems
 from pretrain.config import ExperimentConfig
 
@@ -49,6 +53,7 @@ class ResumePlan:
     explicit: bool  # named by the user: never replaced by another
     newer: list[Path]  # complete checkpoints past the first candidate's step (or any, fresh)
     passed_over: list[Path]  # damaged ones `auto` skipped
+    branch: bool = False  # the candidate is checkpoint.branch_from's: this config's LR schedule
 
     @property
     def first(self) -> Optional[Path]:
@@ -62,6 +67,11 @@ def _explicit_path(config: ExperimentConfig, root: Optional[Path]) -> Path:
         if root is None:
             raise CheckpointError(f"checkpoint.resume={spec} is a step number but checkpoint.dir is unset")
         path = root / step_dir_name(int(spec))
+    return _usable(path)
+
+
+def _usable(path: Path) -> Path:
+    """A checkpoint named by the user: it exists, is complete and undamaged (as a stat finds)."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; use checkpoint.resume=auto or a valid path")
     if not looks_like_checkpoint(path):
@@ -111,6 +121,8 @@ def plan_resume(config: ExperimentConfig, log: Callable[[str], None]) -> ResumeP
     spec = str(config.checkpoint.resume)
     root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
     passed_over: list[Path] = []
+    if config.checkpoint.branch_from is not None:
+        check_request(config)  # a branch's own settings (resume=auto only), before any folder is read
     if spec == "none":
         candidates, explicit = [], False
     elif spec == "auto":
@@ -123,6 +135,8 @@ def plan_resume(config: ExperimentConfig, log: Callable[[str], None]) -> ResumeP
             _refuse_fresh_start(root, {p: "; ".join(damage(p)) for p in passed_over})
         for line in warnings:
             log(line)
+        if config.checkpoint.branch_from is not None:
+            candidates, explicit = _branch_candidates(config, candidates, log)
     else:
         candidates, explicit = [_explicit_path(config, root)], True
     start = CheckpointMeta.read(candidates[0]).step if candidates else 0
@@ -135,7 +149,24 @@ def plan_resume(config: ExperimentConfig, log: Callable[[str], None]) -> ResumeP
             f"{', '.join(p.name for p in newer)}; this run would overwrite or interleave with them. "
             "Resume from the newest (checkpoint.resume=auto), use another checkpoint.dir, or set "
             "checkpoint.on_newer=move_aside to move them into a superseded-<time>/ folder")
-    return ResumePlan(candidates=candidates, explicit=explicit, newer=newer, passed_over=passed_over)
+    branch = config.checkpoint.branch_from is not None and explicit
+    return ResumePlan(candidates=candidates, explicit=explicit, newer=newer, passed_over=passed_over, branch=branch)
+
+
+def _branch_candidates(config: ExperimentConfig, own: list[Path], log) -> tuple[list[Path], bool]:
+    """`checkpoint.branch_from` while checkpoint.dir has nothing to resume: the branch point,
+    checked (explicit: never replaced by another); with checkpoints of its own the branch
+    resumes those, so a requeued branch continues instead of starting over."""
+    if own:
+        log(f"resuming the branch from its own checkpoint {own[0]} (checkpoint.branch_from is used only "
+            "while checkpoint.dir has none)")
+        return own, False
+    try:
+        path = _usable(Path(config.checkpoint.branch_from))
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint.branch_from: {exc}") from None
+    check_branch(config, path, log)
+    return [path], True
 
 
 def _checksum_problems_everywhere(path: Path) -> list[str]:

@@ -159,6 +159,11 @@ class CheckpointConfig(_Strict):
     save_interval: int = Field(default=0, ge=0)  # 0 = only at the end (if dir is set)
     # "auto": newest complete checkpoint if any; "none"; or a path / step number.
     resume: Union[str, int] = "auto"
+    # A cooldown branch (pretrain.checkpointing.branch): start from this stable-phase checkpoint
+    # of another run (model, optimizer, RNG, data position, step) with this config's schedule,
+    # saving into this run's own checkpoint.dir. Used while checkpoint.dir holds no checkpoint
+    # of its own; after that the branch resumes itself (resume=auto), as a requeued job must.
+    branch_from: Optional[str] = None
     keep_last: int = Field(default=3, gt=0)
     async_save: bool = False
     exit_after_minutes: Optional[float] = Field(default=None, gt=0)
