@@ -141,14 +141,21 @@ def _check_new_dirs(config: ExperimentConfig, saved: dict, path: Path) -> None:
 def check_branch(config: ExperimentConfig, path: Path, log: Callable[[str], None]) -> CheckpointMeta:
     """Refuse (CheckpointError, one line) a branch from `path` that would not be the cooldown of
     the run that saved it; the checkpoint's metadata otherwise. No process group needed."""
-    check_request(config)
     meta = CheckpointMeta.read(path)
     if not meta.has_optimizer:
         raise _refuse(path, "it holds no optimizer state (a model-only copy): a branch continues the optimizer "
                       "too; branch from a training checkpoint")
     saved = _saved_config(path)
-    _check_same_trajectory(config, saved, path)
-    _check_stable_at(saved, meta.step, path, log)
-    _check_cooldown_starts_at(config, meta.step, path)
+    check_against(config, saved, meta.step, path, log)
     _check_new_dirs(config, saved, path)
     return meta
+
+
+def check_against(config: ExperimentConfig, saved: dict, step: int, path, log: Callable[[str], None]) -> None:
+    """Whether `config` is a cooldown branch at `step` of the run whose resolved config is
+    `saved` (a config.yaml as a dict): CheckpointError naming `path` if not. Needs no
+    checkpoint: launch.sweep plans its branches with it before anything runs."""
+    check_request(config)
+    _check_same_trajectory(config, saved, path)
+    _check_stable_at(saved, step, path, log)
+    _check_cooldown_starts_at(config, step, path)

@@ -220,16 +220,16 @@ def _finalize(root: Path, step: int, config: ExperimentConfig, world_size: int, 
             log(f"warning: {final} existed; moved it to {aside}")
         tmp.replace(final)
         write_latest(root, final.name)
-        _retain(root, keep_last, final)
+        _retain(root, keep_last, final, tuple(config.checkpoint.save_steps))
     dist.barrier()
     return final
 
 
-def _retain(root: Path, keep_last: int, saved: Path) -> None:
-    """Keep the newest keep_last complete checkpoints, and always the one just saved and the
-    one `latest` names; delete the rest."""
+def _retain(root: Path, keep_last: int, saved: Path, pinned: tuple[int, ...] = ()) -> None:
+    """Keep the newest keep_last complete checkpoints, and always the one just saved, the
+    one `latest` names and those of the `pinned` steps (checkpoint.save_steps); delete the rest."""
     complete = complete_checkpoints(root)
-    keep = set(complete[-max(1, keep_last):]) | {saved}
+    keep = set(complete[-max(1, keep_last):]) | {saved} | {root / step_dir_name(s) for s in pinned}
     latest = read_latest(root)
     if latest is not None:
         keep.add(root / latest)
@@ -252,10 +252,12 @@ class Checkpointer:
 
     def save(self, step: int, run_state, *, last_step: bool = False, stop: bool = False) -> None:
         """Finalize a finished async save; save this step if it is due (every
-        `checkpoint.save_interval` steps, the last step, or a stop request)."""
+        `checkpoint.save_interval` steps, a step of `checkpoint.save_steps`, the last step, or a
+        stop request)."""
         self.poll()
         interval = self.config.checkpoint.save_interval
-        if self.root is not None and (last_step or stop or (interval and step % interval == 0)):
+        due = (interval and step % interval == 0) or step in self.config.checkpoint.save_steps
+        if self.root is not None and (last_step or stop or due):
             # The run waits for its last save and a stop save anyway: written in this process,
             # with no staging copy (and no writer process started for it).
             self.save_now(step, run_state, in_process=last_step or stop)

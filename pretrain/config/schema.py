@@ -12,7 +12,7 @@ import json
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from models.config import ModelConfig
 from models.layout import ParallelLayout, Sharding
@@ -165,6 +165,9 @@ class CheckpointConfig(_Strict):
     # of its own; after that the branch resumes itself (resume=auto), as a requeued job must.
     branch_from: Optional[str] = None
     keep_last: int = Field(default=3, gt=0)
+    # Steps saved besides the interval's and kept whatever keep_last says: the branch points of
+    # cooldown branches (launch.sweep sets them on a stable run).
+    save_steps: list[PositiveInt] = []
     async_save: bool = False
     exit_after_minutes: Optional[float] = Field(default=None, gt=0)
     on_nan: Literal["skip", "stop"] = "stop"

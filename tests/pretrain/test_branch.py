@@ -186,3 +186,22 @@ def test_branch_is_bitwise_the_uninterrupted_wsd_run(tmp_path, name):
     assert (tmp_path / "stable" / "ckpt" / "latest").read_text().strip() == step_dir_name(len(stable))
     assert (source / "meta.json").read_text() == meta_before
     assert len((tmp_path / "stable" / "metrics.jsonl").read_text().splitlines()) == len(stable)
+
+
+def test_save_steps_are_saved_and_kept_past_keep_last(tmp_path):
+    """checkpoint.save_steps (a stable run's branch points): due at those steps, and retention
+    (keep_last) never deletes them."""
+    from pretrain.checkpointing.checkpointer import Checkpointer, _retain
+
+    root = tmp_path / "ckpt"
+    for step in (2, 3, 4, 6, 8):
+        _fake_checkpoint(root, step, STABLE)
+    _retain(root, 1, root / step_dir_name(8), (3, 6))
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        step_dir_name(s) for s in (3, 6, 8)]
+    config = resolve_config("tiny-llama", None, BASE + STABLE + [f"checkpoint.dir={root}", "checkpoint.save_steps=[3]"])
+    saver, due = Checkpointer(config, 1, print), []
+    saver.save_now = lambda step, state, in_process=False: due.append(step)
+    for step in range(1, 7):
+        saver.save(step, None, last_step=step == 6)
+    assert due == [3, 6]
