@@ -31,7 +31,8 @@ from typing import Optional
 
 from data_pipeline.checks import BAD_INPUT, print_error
 from launch.sweeps.results import collect, is_finished
-from launch.sweeps.spec import Point, SweepSpec, SweepSpecError, expand_points, load_spec
+from launch.sweeps.branches import compute_summary
+from launch.sweeps.spec import Point, SweepSpec, SweepSpecError, expand_with_branches, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "sweep_point.json"  # what a point directory was created for
@@ -180,11 +181,19 @@ def run_sweep(spec: SweepSpec, points: list[Point], *, spec_dir: Path, submit: b
           f"{sum(1 for s in states.values() if s == 'running')} still queued/running, {len(todo)} to run")
     failures = []
     if spec.launcher == "local":
+        failed = set()
+        # Stable runs come before their cooldown branches (expand_with_branches' order).
         for i, point in enumerate(todo, 1):
-            print(f"[sweep] ({i}/{len(todo)}) {point.name} on {point.gpus} rank(s)", flush=True)
+            if point.branch_of in failed:
+                failures.append(f"{point.name}: not run, its stable run {point.branch_of} failed")
+                failed.add(point.name)
+                continue
+            print(f"[sweep] ({i}/{len(todo)}) {point.name} on {point.gpus} rank(s)"
+                  + (f", cooldown branch of {point.branch_of}" if point.branch_of else ""), flush=True)
             rc = run_local(spec, point, config_file)
             if rc != 0:
                 failures.append(f"{point.name}: exit {rc}, see {point.run_dir / 'launch.log'}")
+                failed.add(point.name)
         return failures
     scripts = {p.name: write_slurm_job(spec, p, config_file) for p in todo}
     if scripts:
@@ -212,12 +221,12 @@ def _print_points(spec: SweepSpec, points: list[Point], spec_dir: Path) -> None:
 
     config_file = str(spec_dir / spec.config) if spec.config else None
     table = Table(title=f"sweep {spec.name}: {len(points)} points ({spec.launcher})")
-    for column in ["point", *spec.grid, "gpus", "steps", "finished", "command"]:
+    for column in ["point", *spec.grid, "gpus", "steps", "branch of", "finished", "command"]:
         table.add_column(column, overflow="fold")
     for p in points:
         cmd = _local_command(spec, p, config_file) if spec.launcher == "local" else _slurm_command(spec, p, config_file)
         table.add_row(p.name, *p.labels.values(), str(p.gpus), str(p.config.schedule.train_steps),
-                      "yes" if is_finished(p) else "no", shlex.join(cmd[1:]))
+                      p.branch_of or "", "yes" if is_finished(p) else "no", shlex.join(cmd[1:]))
     Console(width=200).print(table)
 
 
@@ -228,12 +237,18 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.spec)
         if spec.launcher == "slurm" and spec.slurm is None:
             raise SweepSpecError("launcher: slurm needs a `slurm:` section (partition, time, ...)")
-        points = expand_points(spec, spec_dir=spec_dir)
+        points, groups = expand_with_branches(spec, spec_dir=spec_dir)
+        if spec.launcher == "slurm" and groups:
+            # A branch needs its stable run's checkpoint: job arrays do not chain them (yet).
+            raise SweepSpecError("launcher: slurm does not run cooldown branches after their stable runs yet; "
+                                 "set cooldown_branches: false (every point a separate run) or launcher: local")
     except SweepSpecError as exc:
         print_error(exc)
         return BAD_INPUT
     if args.dry_run:
         _print_points(spec, points, spec_dir)
+        for line in compute_summary(points, groups) if groups else []:
+            print(f"[sweep] {line}")
         return 0
     failures = []
     if not args.collect_only:

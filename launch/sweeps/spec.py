@@ -17,6 +17,7 @@ config per combination of the grid's axes.
       lr: {optimizer.lr: [1.0e-3, 3.0e-3]}   # shorthand: one key, a list of values
       budget: {tokens: [1.0e6, 4.0e6]}       # token budget -> schedule.train_steps
     slurm: {partition: debug, time: "30", cpu: true}   # launcher: slurm only
+    cooldown_branches: true              # wsd budgets: one stable run + branches (sweeps/branches.py)
 
 Special choice keys: `label` (the choice's name in the point's name), `gpus` (world size,
 default 1), `tokens` (train_steps = ceil(tokens / (global batch x seq))). Every other key
@@ -68,6 +69,9 @@ class SweepSpec(BaseModel):
     overrides: Union[list[str], dict[str, Any]] = []
     grid: dict[str, Union[list[dict[str, Any]], dict[str, list[Any]]]] = Field(min_length=1)
     slurm: Optional[SlurmOptions] = None
+    # WSD points that differ only in their token budget: one stable run, cooldown branches for
+    # the smaller budgets (launch/sweeps/branches.py); false: every point a separate run.
+    cooldown_branches: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Point:
     overrides: tuple[str, ...]  # key=value, everything on top of recipe (+ config file)
     config: ExperimentConfig  # resolved and validated
     run_dir: Path
+    branch_of: Optional[str] = None  # a cooldown branch of this point's stable run (its name)
 
 
 def format_value(value: Any) -> str:
@@ -178,6 +183,25 @@ def _format_errors(path: str, exc: ValidationError) -> str:
 
 
 def expand_points(spec: SweepSpec, *, spec_dir: Path = Path(".")) -> list[Point]:
+    """Every combination of the axes' choices, resolved and validated for its world size
+    (stable runs and cooldown branches as launch.sweeps.branches plans them)."""
+    return expand_with_branches(spec, spec_dir=spec_dir)[0]
+
+
+def expand_with_branches(spec: SweepSpec, *, spec_dir: Path = Path(".")) -> tuple[list[Point], list]:
+    """The points and launch.sweeps.branches' groups (stable run, branches) among them."""
+    from launch.sweeps.branches import plan_branches
+
+    points, axes = _expand_grid(spec, spec_dir)
+    budget = [axis for axis, choices in axes.items() if any("tokens" in c for c in choices)]
+    if not spec.cooldown_branches or len(budget) != 1:
+        return points, []
+    config_file = str(spec_dir / spec.config) if spec.config else None
+    return plan_branches(points, budget[0], lambda point, overrides: _resolve(
+        spec.recipe, config_file, list(overrides), f"grid point {point.name}"))
+
+
+def _expand_grid(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], dict[str, list[dict]]]:
     """Every combination of the axes' choices, resolved and validated for its world size."""
     try:
         get_recipe(spec.recipe)
@@ -218,7 +242,7 @@ def expand_points(spec: SweepSpec, *, spec_dir: Path = Path(".")) -> list[Point]
             raise SweepSpecError(f"{where} on {gpus} GPU(s): {exc}") from None
         points.append(Point(name=name, labels=labels, gpus=gpus, overrides=tuple(pairs), config=config,
                             run_dir=run_dir))
-    return points
+    return points, axes
 
 
 def _resolve(recipe: str, config_file: Optional[str], pairs: list[str], where: str) -> ExperimentConfig:

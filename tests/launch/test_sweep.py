@@ -177,3 +177,84 @@ def test_slurm_job_array_runs_to_completion(slurm_env, tmp_path, monkeypatch, ca
     assert "2/2 points finished" in capsys.readouterr().out, sorted((tmp_path / "out" / "logs").iterdir())
     assert sweep.main([str(spec)]) == 0
     assert "2 finished (skipped)" in capsys.readouterr().out
+
+
+WSD_GRID = {
+    "model": [{"label": "h64", "model.hidden_size": 64, "model.ffn_hidden_size": 176, "model.num_attention_heads": 4},
+              {"label": "h128"}],
+    # 512 tokens a step: 20, 40 and 80 steps; cooldowns of a quarter: 5, 10 and 20 steps.
+    "budget": [{"label": "b20", "tokens": 10240}, {"label": "b40", "tokens": 20480},
+               {"label": "b80", "tokens": 40960}],
+}
+WSD = {"data.demo": False, "data.mock": True, "runtime.spec": "portable", "schedule.seq_length": 64,
+       "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8, "schedule.eval_interval": 0,
+       "logging.tensorboard": False, "schedule.warmup_steps": 2, "schedule.decay_style": "wsd",
+       "schedule.wsd_decay_fraction": 0.25}
+
+
+def test_wsd_budgets_become_a_stable_run_and_cooldown_branches(tmp_path, capsys):
+    from models.flops import training_flops_per_step
+
+    grid = {**WSD_GRID, "budget": WSD_GRID["budget"] + [{"label": "b20-lr", "tokens": 10240, "optimizer.lr": 1e-3}]}
+    path = write_spec(tmp_path, overrides=WSD, grid=grid)
+    points = expand_points(load_spec(str(path)))
+    by_name = {p.name: p for p in points}
+    assert [p.name for p in points][-4:] == ["h64_b20", "h64_b40", "h128_b20", "h128_b40"]  # branches last
+    for size in ("h64", "h128"):
+        stable = by_name[f"{size}_b80"]
+        assert stable.branch_of is None and stable.config.checkpoint.save_steps == [15, 30]
+        assert stable.config.checkpoint.dir == str(stable.run_dir / "ckpt")
+        for budget, step in (("b20", 15), ("b40", 30)):
+            branch = by_name[f"{size}_{budget}"]
+            assert branch.branch_of == stable.name
+            assert branch.config.checkpoint.branch_from == str(stable.run_dir / "ckpt" / f"step_{step:08d}")
+            assert branch.config.checkpoint.dir == str(branch.run_dir / "ckpt")
+        assert by_name[f"{size}_b20-lr"].branch_of is None  # another LR: its own run
+    assert sweep.main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "h64_b20-lr runs on its own: the branch must continue the run that saved it with the same settings, " \
+           "but optimizer.lr 0.003 there vs 0.001 here" in out
+    # Independently: each size spends 80 + 5 + 10 steps and its own-LR run's 20, against 80 + 40 + 20 + 20.
+    flops = [training_flops_per_step(by_name[f"{s}_b80"].config.model, 64, 8) for s in ("h64", "h128")]
+    spent, separate = sum(f * (95 + 20) for f in flops), sum(f * 160 for f in flops)
+    assert (f"[sweep] compute: {spent:.3g} FLOPs with cooldown branches vs {separate:.3g} as separate runs "
+            f"({1 - spent / separate:.0%} less)") in out, out
+    assert f"h64_b80: stable run of 80 steps, h64_b20 branches at step 15 (5 steps), h64_b40 branches at step 30 " \
+           f"(10 steps): {flops[0] * 95:.3g} FLOPs vs {flops[0] * 140:.3g} as separate runs" in out, out
+
+
+def test_cooldown_branches_off_or_not_wsd_are_separate_runs(tmp_path):
+    points = expand_points(load_spec(str(write_spec(tmp_path, overrides={**WSD, "schedule.decay_style": "cosine",
+                                                                          "schedule.wsd_decay_fraction": None},
+                                                    grid=WSD_GRID))))
+    assert not any(p.branch_of or p.config.checkpoint.branch_from for p in points)
+    spec = write_spec(tmp_path, overrides=WSD, grid=WSD_GRID, cooldown_branches=False)
+    assert not any(p.branch_of for p in expand_points(load_spec(str(spec))))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cpu_sweep_branch_is_the_separate_run(tmp_path, capsys):
+    """A 5-step and an 8-step WSD budget (cooldowns of 2 steps): the 8-step run saves step 3, the
+    5-step point branches from it, and its steps 4-5 are bit for bit those of the 5-step run
+    trained separately (one rank, tests.distributed)."""
+    from tests.distributed import run_ranks
+
+    overrides = {**WSD, "schedule.wsd_decay_fraction": None, "schedule.wsd_decay_steps": 2, "logging.log_interval": 1}
+    grid = {"budget": [{"label": "b5", "tokens": 2560}, {"label": "b8", "tokens": 4096}]}
+    spec = write_spec(tmp_path, overrides=overrides, grid=grid)
+    assert sweep.main([str(spec)]) == 0, capsys.readouterr().err
+    out = tmp_path / "out"
+    assert "b5 on 1 rank(s), cooldown branch of b8" in capsys.readouterr().out
+    assert (out / "points" / "b8" / "ckpt" / "step_00000003" / "COMPLETE").is_file()
+    branch = read_metrics(out / "points" / "b5" / "metrics.jsonl")
+    assert [r["step"] for r in branch] == [4, 5]
+    point = next(p for p in expand_points(load_spec(str(spec))) if p.name == "b5")
+    alone = [o for o in point.overrides if not o.startswith(("checkpoint.", "logging.run_dir="))]
+    run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama",
+              overrides=alone + [f"logging.run_dir={tmp_path / 'alone'}"])
+    separate = read_metrics(tmp_path / "alone" / "metrics.jsonl")
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in branch] == [r[key] for r in separate[3:]], key
+    rows = (out / "results.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",finished," in row for row in rows[1:]), rows
