@@ -10,6 +10,8 @@ grid). `launcher: local` runs the points one after another through `python -m
 launch.local`; `launcher: slurm` writes each point's job with `python -m launch.slurm`
 and submits the points as Slurm job arrays (one array per allocation shape), then
 collects what has finished (run again with --collect-only once the jobs end).
+WSD token budgets run as stable runs and cooldown branches (launch/sweeps/branches.py): the
+local launcher runs a branch after its stable run, Slurm arrays of branches depend on theirs.
 Re-running skips finished points (their metrics.jsonl reached train_steps); a point whose
 definition changed gets a fresh directory (the old one is kept, renamed).
 
@@ -123,14 +125,16 @@ def _directives(script: Path) -> tuple[str, ...]:
     return tuple(keep)
 
 
-def write_arrays(spec: SweepSpec, scripts: dict[str, Path], out_dir: Path) -> list[tuple[Path, list[str]]]:
-    """One job-array script per allocation shape; task i runs point i's own job.sh (whose
-    #SBATCH lines are then comments) inside the array task's allocation."""
-    groups: dict[tuple[str, ...], list[str]] = {}
+def write_arrays(spec: SweepSpec, scripts: dict[str, Path], out_dir: Path,
+                 branches: frozenset[str] = frozenset()) -> list[tuple[Path, list[str]]]:
+    """One job-array script per allocation shape (cooldown branches, the names in `branches`,
+    in arrays of their own: they wait for their stable runs); task i runs point i's own job.sh
+    (whose #SBATCH lines are then comments) inside the array task's allocation."""
+    groups: dict[tuple, list[str]] = {}
     for name, script in scripts.items():
-        groups.setdefault(_directives(script), []).append(name)
+        groups.setdefault((name in branches, *_directives(script)), []).append(name)
     arrays = []
-    for index, (directives, names) in enumerate(groups.items()):
+    for index, ((_, *directives), names) in enumerate(sorted(groups.items(), key=lambda g: g[0][0])):
         path = out_dir / f"array-{index}.sh"
         lines = [
             "#!/bin/bash",
@@ -151,9 +155,25 @@ def write_arrays(spec: SweepSpec, scripts: dict[str, Path], out_dir: Path) -> li
     return arrays
 
 
+def _stable_jobs(branches: list[Point], points: dict[str, Point]) -> list[str]:
+    """The Slurm jobs of these branches' stable runs still queued or running (submitted now or
+    by an earlier sweep run); a finished stable run has nothing to wait for."""
+    jobs = []
+    for name in sorted({b.branch_of for b in branches}):
+        record = points[name].run_dir / "slurm_task.json"
+        if not is_finished(points[name]) and record.is_file():
+            jobs.append(str(json.loads(record.read_text())["job"]))
+    return sorted(set(jobs))
+
+
 def submit_arrays(arrays: list[tuple[Path, list[str]]], points: dict[str, Point]) -> None:
+    """sbatch each array; an array of cooldown branches after the stable runs' arrays, with
+    --dependency=afterok on their jobs (a failed stable run leaves its branches pending)."""
     for path, names in arrays:
-        result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+        branches = [points[n] for n in names if points[n].branch_of]
+        depend = _stable_jobs(branches, points) if branches else []
+        command = ["sbatch", "--parsable", *([f"--dependency=afterok:{':'.join(depend)}"] if depend else []), str(path)]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {path} failed: {result.stderr.strip()}")
         job = result.stdout.strip().split(";")[0]
@@ -197,9 +217,10 @@ def run_sweep(spec: SweepSpec, points: list[Point], *, spec_dir: Path, submit: b
         return failures
     scripts = {p.name: write_slurm_job(spec, p, config_file) for p in todo}
     if scripts:
-        arrays = write_arrays(spec, scripts, Path(points[0].run_dir).parents[1])
+        branches = frozenset(p.name for p in todo if p.branch_of)
+        arrays = write_arrays(spec, scripts, Path(points[0].run_dir).parents[1], branches)
         if submit:
-            submit_arrays(arrays, {p.name: p for p in todo})
+            submit_arrays(arrays, {p.name: p for p in points})
         else:
             print("[sweep] written, not submitted: " + ", ".join(f"sbatch {a}" for a, _ in arrays))
     return failures
@@ -238,10 +259,6 @@ def main(argv: list[str] | None = None) -> int:
         if spec.launcher == "slurm" and spec.slurm is None:
             raise SweepSpecError("launcher: slurm needs a `slurm:` section (partition, time, ...)")
         points, groups = expand_with_branches(spec, spec_dir=spec_dir)
-        if spec.launcher == "slurm" and groups:
-            # A branch needs its stable run's checkpoint: job arrays do not chain them (yet).
-            raise SweepSpecError("launcher: slurm does not run cooldown branches after their stable runs yet; "
-                                 "set cooldown_branches: false (every point a separate run) or launcher: local")
     except SweepSpecError as exc:
         print_error(exc)
         return BAD_INPUT

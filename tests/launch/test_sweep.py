@@ -116,6 +116,33 @@ def test_slurm_points_become_job_arrays_per_allocation(tmp_path):
         assert any(str(point.run_dir / "job.sh") in t for t in texts)
 
 
+def test_slurm_branches_wait_for_their_stable_runs(tmp_path, monkeypatch):
+    """The cooldown branches' job array is submitted after the stable runs', with
+    --dependency=afterok on their job: the branch points need its checkpoints."""
+    spec_path = write_spec(tmp_path, launcher="slurm", slurm={"partition": "debug", "time": "10", "cpu": True},
+                           overrides=WSD, grid={"budget": WSD_GRID["budget"]})
+    spec = load_spec(str(spec_path))
+    points = expand_points(spec)
+    assert sweep.run_sweep(spec, points, spec_dir=tmp_path, submit=False) == []
+    by_name = {p.name: p for p in points}
+    scripts = {p.name: p.run_dir / "job.sh" for p in points}
+    arrays = sweep.write_arrays(spec, scripts, tmp_path / "out", frozenset(n for n, p in by_name.items() if p.branch_of))
+    assert [names for _, names in arrays] == [["b80"], ["b20", "b40"]]
+    calls = []
+
+    def sbatch(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout=f"{100 + len(calls)}\n", stderr="")
+
+    monkeypatch.setattr(sweep.subprocess, "run", sbatch)
+    sweep.submit_arrays(arrays, by_name)
+    assert calls == [["sbatch", "--parsable", str(arrays[0][0])],
+                     ["sbatch", "--parsable", "--dependency=afterok:101", str(arrays[1][0])]]
+    saved = yaml.safe_load((by_name["b20"].run_dir / "config.yaml").read_text())["checkpoint"]
+    assert saved["branch_from"] == str(by_name["b80"].run_dir / "ckpt" / "step_00000015")
+    assert yaml.safe_load((by_name["b80"].run_dir / "config.yaml").read_text())["checkpoint"]["save_steps"] == [15, 30]
+
+
 def _png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
