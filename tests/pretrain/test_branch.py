@@ -157,7 +157,10 @@ LAYOUTS = {
     "one-rank": (1, []),
     "TP2xPP2": (4, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"]),
     "ZeRO3-DP2": (2, ["parallel.sharding=zero3"]),
+    # A constant-LR stable run (its LR max, min + 1.0 x (max - min) in a wsd run: equal here).
+    "one-rank-constant-stable": (1, []),
 }
+CONSTANT = ["schedule.decay_style=constant", "schedule.wsd_decay_steps=null"]
 
 
 @pytest.mark.distributed
@@ -166,8 +169,9 @@ LAYOUTS = {
 def test_branch_is_bitwise_the_uninterrupted_wsd_run(tmp_path, name):
     nproc, layout = LAYOUTS[name]
     reference = _train(nproc, tmp_path, "reference", layout + BRANCH + ["checkpoint.resume=none"])
-    stable = _train(nproc, tmp_path, "stable", layout + STABLE + [f"checkpoint.save_interval={K}",
-                                                                   "checkpoint.resume=none"])
+    stable_schedule = STABLE + (CONSTANT if name.endswith("constant-stable") else [])
+    stable = _train(nproc, tmp_path, "stable", layout + stable_schedule + [f"checkpoint.save_interval={K}",
+                                                                            "checkpoint.resume=none"])
     source = tmp_path / "stable" / "ckpt" / step_dir_name(K)
     meta_before = (source / "meta.json").read_text()
     branch = _train(nproc, tmp_path, "branch", layout + BRANCH + [f"checkpoint.branch_from={source}"])
