@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from models.config import FLAVORS, ModelConfig, get_flavor
-from models.flops import embedding_params, forward_flops_per_token, qk_norm_params, total_params, training_flops_per_token
+from models.flops import (embedding_params, forward_flops_per_token, qk_norm_params, total_params,
+                          training_flops_per_token)
 from tests.distributed import run_ranks
 
 

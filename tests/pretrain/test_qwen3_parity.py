@@ -17,6 +17,8 @@ import json
 import pytest
 
 from checkpoints_tools.dcp_io import CheckpointReader
+from launch.planner.memory import dense_layer_params_on_rank, embedding_params_on_rank, output_params_on_rank
+from models.config import get_flavor
 from tests.compare import assert_steps_close
 from tests.distributed import run_ranks
 
@@ -78,3 +80,9 @@ def test_qwen3_layout_matches_one_rank(reference, tmp_path, name):
     if name == "TP2-SP":
         norms0, norms1 = (rank["norms"] for rank in got["ranks"])
         assert any("q_layernorm" in k for k in norms0) and norms0 == norms1, "q/k norms differ between TP ranks"
+        # The planner's per-rank count (q/k norms replicated over TP, the 256-wide attention split)
+        # equals what each TP rank built.
+        m = get_flavor("tiny-qwen3")
+        want = m.num_layers * dense_layer_params_on_rank(m, 2) + embedding_params_on_rank(m, 2) \
+            + output_params_on_rank(m, 2, 1)
+        assert [rank["params"] for rank in got["ranks"]] == [want, want]
