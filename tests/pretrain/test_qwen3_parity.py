@@ -35,6 +35,9 @@ BASE = [
 TP2_SP = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {  # name -> (ranks, overrides)
     "TP2-SP": (2, TP2_SP),
+    # Without SP the q/k norm weights carry no `sequence_parallel` mark: only finalize_model_grads'
+    # by-name rule (q_layernorm / k_layernorm) sums their gradients over TP.
+    "TP2": (2, TP2_SP[:1]),
     "PP2": (2, ["parallel.pipeline_parallel=2"]),
     "DP2-ZeRO3": (2, ["parallel.sharding=zero3"]),
 }
@@ -62,12 +65,11 @@ def reference(tmp_path_factory) -> dict:
     return ref
 
 
-@pytest.mark.parametrize("name", [
-    "TP2-SP", pytest.param("PP2", marks=pytest.mark.slow), pytest.param("DP2-ZeRO3", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize("name", ["TP2-SP"] + [pytest.param(n, marks=pytest.mark.slow)
+                                                for n in ("TP2", "PP2", "DP2-ZeRO3")])
 def test_qwen3_layout_matches_one_rank(reference, tmp_path, name):
     nproc, extra = LAYOUTS[name]
-    got = _run(tmp_path, name, nproc, extra, report_norms=name == "TP2-SP")
+    got = _run(tmp_path, name, nproc, extra, report_norms=name.startswith("TP2"))
     loss = assert_steps_close(got["loss"], reference["loss"], rtol=1e-5, what=f"{name} loss")
     norm = assert_steps_close(got["grad_norm"], reference["grad_norm"], rtol=1e-5, what=f"{name} grad norm")
     keys = sorted(reference["weights"])
@@ -77,7 +79,7 @@ def test_qwen3_layout_matches_one_rank(reference, tmp_path, name):
     top = max(worst, key=worst.get)
     print(f"\n{name}: loss {loss:.1e}, grad norm {norm:.1e} (max relative), weights {worst[top]:.1e} ({top})")
     assert worst[top] <= 1e-5, (top, worst[top])
-    if name == "TP2-SP":
+    if name.startswith("TP2"):
         norms0, norms1 = (rank["norms"] for rank in got["ranks"])
         assert any("q_layernorm" in k for k in norms0) and norms0 == norms1, "q/k norms differ between TP ranks"
         # The planner's per-rank count (q/k norms replicated over TP, the 256-wide attention split)
