@@ -81,8 +81,8 @@ def llama3_8b() -> ExperimentConfig:
 
 
 def qwen3_8b() -> ExperimentConfig:
-    """Qwen3-8B (the published shape; models.config), 4k context; TP2 + SP as llama3-8b (the
-    same width), a smaller global batch at the shorter sequence (2M tokens a step)."""
+    """Qwen3-8B (the published shape; models.config) at 4k context, 512 x 4096 = 2M tokens a
+    step; TP2 + SP as llama3-8b (the same hidden size, heads and KV heads)."""
     return _h100_base("qwen3-8b", "qwen3-8b", ParallelLayout(tensor_parallel=2, sequence_parallel=True),
                       seq=4096, gbs=512, lr=3e-4, steps=250_000)
 
