@@ -18,8 +18,10 @@ from pydantic import ValidationError
 from models.config import ModelConfig
 from checkpoints_tools.mapping import hf_family
 
-# architecture class -> model_type; Mistral = Llama with a (here: absent) sliding window.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
+# architecture class -> model_type; Mistral = Llama with a (here: absent) sliding window;
+# Qwen3 = Llama + q/k RMSNorm (dense; Qwen3-MoE not yet).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                 "Qwen3ForCausalLM": "qwen3"}
 # Export only (import reads the Llama family): GPT-2 for LayerNorm + GELU + learned-position models.
 EXPORT_ARCHITECTURES = {**ARCHITECTURES, "GPT2LMHeadModel": "gpt2"}
 HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -37,9 +39,15 @@ class HFConfigError(ValueError):
     """A config.json we cannot map onto our model (or back); names the field."""
 
 
+# mapping.hf_family -> the architectures that can hold it.
+FAMILY_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
+                        "qwen3": ("Qwen3ForCausalLM",), "gpt2": ("GPT2LMHeadModel",)}
+
+
 def default_architecture(model: ModelConfig) -> str:
-    if hf_family(model) == "gpt2":
-        return "GPT2LMHeadModel"
+    family = hf_family(model)
+    if family != "llama":
+        return FAMILY_ARCHITECTURES[family][0]
     return "MixtralForCausalLM" if model.is_moe else "LlamaForCausalLM"
 
 
@@ -109,9 +117,9 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
     family = hf_family(model)
     if architecture not in EXPORT_ARCHITECTURES:
         raise HFConfigError(f"unknown architecture {architecture!r}; choose one of {', '.join(EXPORT_ARCHITECTURES)}")
-    if (family == "gpt2") != (architecture == "GPT2LMHeadModel"):
+    if architecture not in FAMILY_ARCHITECTURES[family]:
         raise HFConfigError(f"{architecture} cannot hold this model (LayerNorm/GELU/learned positions: "
-                            f"{family == 'gpt2'}); use {default_architecture(model)}")
+                            f"{family == 'gpt2'}; q/k norms: {model.qk_layernorm}); use {default_architecture(model)}")
     if model.is_moe != (architecture == "MixtralForCausalLM"):
         kind = "a mixture-of-experts" if model.is_moe else "a dense"
         raise HFConfigError(f"{architecture} cannot hold {kind} model; use "
@@ -131,6 +139,9 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
     }
     if architecture == "LlamaForCausalLM":
         config.update(mlp_bias=False, pretraining_tp=1)
+    elif family == "qwen3":
+        # Full attention in every layer (Qwen3Config's sliding window is off unless asked for).
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers)
     elif family == "llama":
         config["sliding_window"] = None
     if model.is_moe:
@@ -162,7 +173,7 @@ def _rope(config: dict) -> dict:
 
 
 def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelConfig:
-    """Our ModelConfig for a Llama / Mistral / Mixtral config.json; HFConfigError otherwise."""
+    """Our ModelConfig for a Llama / Mistral / Mixtral / Qwen3 config.json; HFConfigError otherwise."""
     arch = (config.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise HFConfigError(f"unsupported architecture {arch!r} in config.json; supported: {', '.join(ARCHITECTURES)}")
@@ -171,7 +182,8 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         problems.append(f"hidden_act={config['hidden_act']} (SwiGLU needs silu)")
     if config.get("attention_bias") or config.get("mlp_bias"):
         problems.append("attention_bias / mlp_bias (our Llama path has no biases)")
-    window = config.get("sliding_window")
+    # Qwen3 keeps a sliding_window value that only use_sliding_window=true turns on.
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     if window is not None and window < config.get("max_position_embeddings", 0):
         problems.append(f"sliding_window={window} (sliding-window attention is not implemented)")
     if config.get("pretraining_tp", 1) not in (None, 1):
@@ -190,6 +202,7 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         max_seq_length=_int(config, "max_position_embeddings", 4096),
         norm_eps=_float(config, "rms_norm_eps", 1e-6), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         **_rope(config), init_std=_float(config, "initializer_range", 0.02),
+        qk_layernorm=arch == "Qwen3ForCausalLM",
     )
     if moe:
         kwargs.update(num_experts=_int(config, "num_local_experts"), moe_router_topk=_int(config, "num_experts_per_tok", 2),

@@ -15,6 +15,9 @@ on the same weights, tests/checkpoints_tools/test_export_hf.py):
     layers are Conv1D modules holding [in, out], the transpose of Megatron's [out, in];
     c_attn holds [all q | all k | all v] columns (and bias entries), split from Megatron's
     per-head grouping as for Llama.
+  - Qwen3 (Qwen3ForCausalLM): Llama's names + self_attn.q_norm / k_norm = Megatron's
+    q_layernorm / k_layernorm, [head_dim] each, applied per head before RoPE on both sides;
+    head_dim is config.json's own field (it need not be hidden / heads).
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ _ATTENTION_RULES = (
           "model.layers.*.self_attn.v_proj.weight"), "qkv"),
     Rule("decoder.layers.self_attention.linear_proj.weight", ("model.layers.*.self_attn.o_proj.weight",)),
     Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.*.post_attention_layernorm.weight",)),
+)
+# Qwen3: per-head RMSNorm of queries and keys, one head_dim-sized weight each (replicated over TP).
+_QK_NORM_RULES = (
+    Rule("decoder.layers.self_attention.q_layernorm.weight", ("model.layers.*.self_attn.q_norm.weight",)),
+    Rule("decoder.layers.self_attention.k_layernorm.weight", ("model.layers.*.self_attn.k_norm.weight",)),
 )
 _DENSE_MLP_RULES = (
     Rule("decoder.layers.mlp.linear_fc1.weight",
@@ -122,7 +130,8 @@ def rules_for(model: ModelConfig) -> list[Rule]:
         rules = list(_GPT2_RULES)
     else:
         mlp = _MOE_RULES if model.is_moe else _DENSE_MLP_RULES
-        rules = [_GLOBAL_RULES[0], *_ATTENTION_RULES, *mlp, _GLOBAL_RULES[1]]
+        qk = _QK_NORM_RULES if model.qk_layernorm else ()
+        rules = [_GLOBAL_RULES[0], *_ATTENTION_RULES, *qk, *mlp, _GLOBAL_RULES[1]]
     if not model.tie_embeddings:
         rules.append(_OUTPUT_RULE)
     return rules
@@ -140,6 +149,16 @@ def _llama_problems(model: ModelConfig) -> list[str]:
         problems.append("linear biases (add_bias_linear / add_qkv_bias)")
     if model.moe_shared_expert_hidden_size:
         problems.append("a shared expert (moe_shared_expert_hidden_size; Mixtral has none)")
+    return problems
+
+
+def _qwen3_problems(model: ModelConfig) -> list[str]:
+    """Qwen3 = the Llama family's parts + q/k RMSNorm; dense only here (Qwen3-MoE: not yet)."""
+    problems = _llama_problems(model)
+    if not model.qk_layernorm:
+        problems.append("no q/k norms (Qwen3 has qk_layernorm)")
+    if model.is_moe:
+        problems.append("experts (Qwen3-MoE export is not implemented; Qwen3ForCausalLM is dense)")
     return problems
 
 
@@ -163,9 +182,15 @@ def _gpt2_problems(model: ModelConfig) -> list[str]:
 
 
 def hf_family(model: ModelConfig) -> str:
-    """'llama' (Llama/Mistral/Mixtral: RMSNorm, SwiGLU, RoPE, no biases) or 'gpt2'
-    (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases, MHA); a ValueError naming
-    the fields when neither can express the model."""
+    """'llama' (Llama/Mistral/Mixtral: RMSNorm, SwiGLU, RoPE, no biases), 'qwen3' (the same +
+    q/k RMSNorm, dense) or 'gpt2' (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases,
+    MHA); a ValueError naming the fields when none can express the model."""
+    if model.qk_layernorm:
+        qwen3 = _qwen3_problems(model)
+        if not qwen3:
+            return "qwen3"
+        raise ValueError("this model has q/k norms but no Qwen3 equivalent: " + "; ".join(qwen3) + ". Export/import "
+                         "supports q/k norms as Qwen3ForCausalLM: RMSNorm + SwiGLU + RoPE, no biases, dense")
     llama, gpt2 = _llama_problems(model), _gpt2_problems(model)
     if not llama:
         return "llama"
@@ -173,7 +198,8 @@ def hf_family(model: ModelConfig) -> str:
         return "gpt2"
     raise ValueError("this model has no Llama/Mistral/Mixtral or GPT-2 equivalent: as Llama: " + "; ".join(llama)
                      + "; as GPT-2: " + "; ".join(gpt2) + ". Export/import supports RMSNorm + SwiGLU + RoPE "
-                     "decoders without biases, and (export) GPT-2: LayerNorm + GELU + learned positions + biases")
+                     "decoders without biases (+ q/k norms: Qwen3), and (export) GPT-2: LayerNorm + GELU + "
+                     "learned positions + biases")
 
 
 def check_hf_compatible(model: ModelConfig) -> None:
@@ -232,6 +258,11 @@ def layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         for key in ("decoder.final_layernorm.bias", "decoder.layers.self_attention.linear_qkv.layer_norm_bias",
                     "decoder.layers.mlp.linear_fc1.layer_norm_bias"):
             shapes[key] = (h,)
+    if model.qk_layernorm:
+        for norm in ("q_layernorm", "k_layernorm"):
+            shapes[f"decoder.layers.self_attention.{norm}.weight"] = (d,)
+            if model.normalization == "LayerNorm":
+                shapes[f"decoder.layers.self_attention.{norm}.bias"] = (d,)
     if model.add_qkv_bias:
         shapes["decoder.layers.self_attention.linear_qkv.bias"] = (qkv,)
     if model.add_bias_linear and not model.is_moe:

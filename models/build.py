@@ -92,6 +92,10 @@ def transformer_config(
         activation_func=F.silu if model.gated else F.gelu,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
+        # Both specs read it: te builds TENorm q/k norms, our portable spec PortableNorm ones;
+        # finalize_model_grads sums their gradients over TP by name (each TP rank normalises
+        # only its own heads with the one shared weight).
+        qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -175,8 +179,9 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
     """The block spec for this pipeline chunk (its layers and its final norm).
 
     `te`: Megatron-Core's Transformer Engine block spec (TE does SP and CP itself).
-    `portable`: the local spec with `PortableNorm` (sequence-parallel aware) and, at CP > 1,
-    `ContextParallelAttention` as core attention.
+    `portable`: the local spec with `PortableNorm` (sequence-parallel aware) as every norm,
+    q/k norms included (the local spec's WrappedTorchNorm refuses SP even there), and, at
+    CP > 1, `ContextParallelAttention` as core attention.
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if spec == "te":
@@ -186,16 +191,20 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
             config, use_transformer_engine=True, normalization=config.normalization, vp_stage=vp_stage
         )
     local = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, normalization=config.normalization
+        num_experts=config.num_moe_experts, normalization=config.normalization, qk_layernorm=config.qk_layernorm
     )
     submodules = dataclasses.replace(
         local.submodules, input_layernorm=PortableNorm, pre_mlp_layernorm=PortableNorm
     )
+    attention = local.submodules.self_attention
+    replaced = {}
+    if config.qk_layernorm:
+        replaced.update(q_layernorm=PortableNorm, k_layernorm=PortableNorm)
     if config.context_parallel_size > 1:
-        attention = local.submodules.self_attention
+        replaced.update(core_attention=ContextParallelAttention)
+    if replaced:
         submodules = dataclasses.replace(submodules, self_attention=dataclasses.replace(
-            attention,
-            submodules=dataclasses.replace(attention.submodules, core_attention=ContextParallelAttention),
+            attention, submodules=dataclasses.replace(attention.submodules, **replaced),
         ))
     layer = ModuleSpec(module=local.module, submodules=submodules, params=local.params)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=PortableNorm)

@@ -29,8 +29,14 @@ class ModelConfig(BaseModel):
     num_attention_heads: int = Field(gt=0)
     # None means multi-head attention (one KV head per query head).
     num_query_groups: Optional[int] = Field(default=None, gt=0)
-    # None means hidden_size // num_attention_heads.
+    # Head size; None means hidden_size // num_attention_heads. Qwen3 decouples the two
+    # (Qwen3-0.6B: hidden 1024, 16 heads of 128), so the attention width n * kv_channels may
+    # differ from hidden_size; TP splits heads, so TP | heads keeps every rank's width whole.
     kv_channels: Optional[int] = Field(default=None, gt=0)
+    # Per-head RMSNorm (LayerNorm with normalization=LayerNorm) of queries and keys before
+    # RoPE, with one weight of size head_dim shared by all heads (Qwen3, OLMo-2-style
+    # stabilisation). Megatron-Core's qk_layernorm; its eps is norm_eps.
+    qk_layernorm: bool = False
     vocab_size: int = Field(gt=0)
     # Vocab is padded to a multiple of this so TP can split it. Unlike Megatron-LM we do NOT
     # multiply by TP: the padded size (and so the loss over padded logits) must not change
@@ -176,6 +182,19 @@ _TINY_LLAMA = ModelConfig(
     num_query_groups=2, vocab_size=4000, max_seq_length=256, norm_eps=1e-5,
     rope_base=10000.0,
 )
+# Qwen3-8B: the published config.json of Qwen/Qwen3-8B-Base (hidden 4096, 36 layers, 32 heads, 8
+# KV heads, head_dim 128, intermediate 12288, vocab 151936, rope_theta 1e6, rms_norm_eps 1e-6,
+# max_position_embeddings 32768, untied, no attention bias); Qwen3 = Llama + q/k RMSNorm. Here
+# head_dim equals hidden / heads, but Qwen3 states it separately, so kv_channels is explicit.
+_QWEN3_8B = ModelConfig(
+    num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
+    num_query_groups=8, kv_channels=128, vocab_size=151936, max_seq_length=32768, norm_eps=1e-6,
+    rope_base=1000000.0, qk_layernorm=True,
+)
+# tiny-llama's shape with Qwen3's parts: q/k norms, head_dim 32 != hidden / heads = 16 (the
+# attention is 256 wide on a 128-wide residual), GQA 8 heads / 2 groups, Qwen3's eps and theta.
+_TINY_QWEN3 = _TINY_LLAMA.model_copy(update=dict(kv_channels=32, qk_layernorm=True, norm_eps=1e-6,
+                                                 rope_base=1000000.0))
 # 4 experts, top-2: EP 1, 2 and 4 all hold whole experts.
 _TINY_MOE = _TINY_LLAMA.model_copy(update=dict(num_experts=4, moe_router_topk=2, ffn_hidden_size=256))
 
@@ -199,7 +218,9 @@ FLAVORS: dict[str, ModelConfig] = {
         update=dict(ffn_hidden_size=14336, num_query_groups=8, max_seq_length=32768,
                     rope_base=1000000.0, num_experts=8, moe_router_topk=2)
     ),
+    "qwen3-8b": _QWEN3_8B,
     "tiny-llama": _TINY_LLAMA,
+    "tiny-qwen3": _TINY_QWEN3,
     # 8 layers so PP2 x VPP2 and PP4 x VPP2 both have whole layers per stage.
     "tiny-llama-8l": _TINY_LLAMA.model_copy(update=dict(num_layers=8)),
     "tiny-llama-tied": _TINY_LLAMA.model_copy(update=dict(tie_embeddings=True)),

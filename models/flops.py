@@ -40,9 +40,17 @@ def norm_params(m: ModelConfig) -> int:
     return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
 
 
+def qk_norm_params(m: ModelConfig) -> int:
+    """q and k norms (qk_layernorm): one head_dim-sized weight each (+ bias for LayerNorm),
+    shared by all heads; 0 without them."""
+    if not m.qk_layernorm:
+        return 0
+    return 2 * m.head_dim * (2 if m.normalization == "LayerNorm" else 1)
+
+
 def layer_params(m: ModelConfig) -> int:
-    """One transformer layer: two norms, attention, MLP (or router + experts)."""
-    count = 2 * norm_params(m) + attention_params(m)
+    """One transformer layer: two norms (+ q/k norms), attention, MLP (or router + experts)."""
+    count = 2 * norm_params(m) + qk_norm_params(m) + attention_params(m)
     if m.is_moe:
         count += m.hidden_size * m.num_experts  # router
         count += m.num_experts * mlp_params(m, m.expert_ffn_hidden_size)
@@ -102,6 +110,8 @@ def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True
       MLP                  2 h f (3 if SwiGLU: gate, up, down; else 2), per active expert
                            (MoE: k experts per token, + 2 h E for the router)
     Logits: 2 h V.
+    d is the head size (kv_channels), which need not be h / n (Qwen3-0.6B: h 1024, n d 2048).
+    Norms (q/k norms too) are elementwise, O(h) per token, and not counted, as in Megatron-LM.
     `attention_fraction` scales the two attention terms: the share of the causal work that
     document masking leaves (`document_attention_fraction`); 1.0 = the dense formula, which
     MFU is reported against (the convention of PaLM and Megatron-LM, comparable across data).

@@ -118,7 +118,7 @@ def _draw(name: str, shape: list[int], model: ModelConfig, seed: int, device) ->
     is_norm = "norm" in name
     if leaf == "bias" or leaf.endswith("_bias"):
         return torch.zeros(shape, device=device)
-    if is_norm:  # norm weights (incl. TE's fused layer_norm_weight)
+    if is_norm:  # norm weights (incl. TE's fused layer_norm_weight and the q/k norms' q_layernorm/k_layernorm)
         return torch.ones(shape, device=device)
     std = model.init_std
     if name.endswith(_SCALED):

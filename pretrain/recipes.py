@@ -47,6 +47,15 @@ def tiny_moe() -> ExperimentConfig:
     ))
 
 
+def tiny_qwen3() -> ExperimentConfig:
+    """tiny-llama's run with the tiny-qwen3 flavor: q/k RMSNorm, head_dim 32 != hidden / heads."""
+    base = tiny_llama()
+    return base.model_copy(update=dict(
+        name="tiny-qwen3", model=get_flavor("tiny-qwen3"),
+        logging=base.logging.model_copy(update=dict(run_dir="runs/tiny-qwen3")),
+    ))
+
+
 def _h100_base(name: str, flavor: str, layout: ParallelLayout, *, seq: int, gbs: int,
                lr: float, steps: int) -> ExperimentConfig:
     return ExperimentConfig(
@@ -69,6 +78,13 @@ def llama3_8b() -> ExperimentConfig:
     """Llama-3 8B, 8k context; TP2 keeps activations per GPU modest at seq 8192."""
     return _h100_base("llama3-8b", "llama3-8b", ParallelLayout(tensor_parallel=2, sequence_parallel=True),
                       seq=8192, gbs=512, lr=3e-4, steps=250_000)
+
+
+def qwen3_8b() -> ExperimentConfig:
+    """Qwen3-8B (the published shape; models.config) at 4k context, 512 x 4096 = 2M tokens a
+    step; TP2 + SP as llama3-8b (the same hidden size, heads and KV heads)."""
+    return _h100_base("qwen3-8b", "qwen3-8b", ParallelLayout(tensor_parallel=2, sequence_parallel=True),
+                      seq=4096, gbs=512, lr=3e-4, steps=250_000)
 
 
 def llama3_70b() -> ExperimentConfig:
@@ -117,7 +133,9 @@ SPEED_VARIANTS: dict[str, list[str]] = {
 RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
     "tiny-llama": tiny_llama,
     "tiny-moe": tiny_moe,
+    "tiny-qwen3": tiny_qwen3,
     "llama3-8b": llama3_8b,
+    "qwen3-8b": qwen3_8b,
     "llama3-70b": llama3_70b,
     "gpt3-175b": gpt3_175b,
     "mixtral-8x7b": mixtral_8x7b,

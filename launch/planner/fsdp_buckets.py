@@ -38,7 +38,7 @@ from typing import Optional
 
 from launch.planner.candidate import Candidate
 from models.config import ModelConfig
-from models.flops import norm_params
+from models.flops import norm_params, qk_norm_params
 
 # megatron_fsdp.py (MegatronFSDP.__init__): suggested_communication_unit_size =
 # max(1_000_000_000, ...) elements unless the DDP config sets it (ours does not): the
@@ -94,6 +94,7 @@ def layer_parameters(m: ModelConfig, tp: int, ep: int, etp: int) -> tuple[list[P
     dense = _norm(m) + _linear(m, qkv // tp, h, m.add_qkv_bias)
     dense += [(h * nd // tp, nd // tp)] + ([(h, 1)] if m.add_bias_linear else [])
     dense += _norm(m)
+    dense += [(m.head_dim, 1)] * (qk_norm_params(m) // m.head_dim)  # q/k norms, replicated over TP
     expert: list[Param] = []
     if m.is_moe:
         dense += [(m.num_experts * h, h)]  # router

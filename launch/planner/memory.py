@@ -26,7 +26,7 @@ from launch.planner.candidate import Candidate
 from launch.planner.fsdp_buckets import fsdp_held_elements
 from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
 from models.config import ModelConfig
-from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params
+from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params, qk_norm_params
 
 GIB = 2**30
 # pretrain/wrap.py builds DDP with grad_reduce_in_fp32=True: the grad buffer is fp32
@@ -42,10 +42,10 @@ ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
 
 def tp_replicated_layer_params(m: ModelConfig) -> int:
     """Per-layer dense parameters every TP rank holds whole (not split by TP):
-    2 norms (2 x norm_params) + the row-parallel output biases (attention proj h, dense
-    fc2 h, shared-expert fc2 h, when add_bias_linear) + the MoE router (h x E)."""
+    2 norms (2 x norm_params) and the q/k norms + the row-parallel output biases (attention
+    proj h, dense fc2 h, shared-expert fc2 h, when add_bias_linear) + the MoE router (h x E)."""
     h = m.hidden_size
-    count = 2 * norm_params(m)
+    count = 2 * norm_params(m) + qk_norm_params(m)
     bias = h if m.add_bias_linear else 0
     count += bias  # attention output projection bias
     if m.is_moe:

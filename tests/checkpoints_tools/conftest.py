@@ -9,6 +9,8 @@ export / reshard / verify result is compared with.
           saving steps 2 and 3.
   moe:    the tiny-moe flavor (Mixtral-style, 4 experts, top-2), TP2 (+SP) x EP2 with expert
           TP 1, 2 steps.
+  qwen3:  the tiny-qwen3 flavor (q/k RMSNorm, head_dim 32 with hidden 128 and 8 heads, GQA 8 / 2),
+          TP2 (+SP) x PP2, 2 steps.
 The vllm-* models are what vLLM is tested on (tests/checkpoints_tools/test_verify_vllm.py):
 30 steps on the demo corpus (real text; exports ship its SentencePiece tokenizer), so the
 top tokens are clear, and head_dim 32 (4 heads), which vLLM's CPU attention serves:
@@ -46,6 +48,8 @@ MODELS = {  # name -> (recipe, overrides)
     # Megatron-Core's MoE layer needs sequence parallelism under TP.
     "moe": ("tiny-moe", ["schedule.train_steps=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
                          "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"]),
+    # q/k norms, head_dim 32 != hidden / heads = 16: exports as Qwen3ForCausalLM.
+    "qwen3": ("tiny-qwen3", TP2PP2 + ["schedule.train_steps=2", "parallel.sequence_parallel=true"]),
 }
 # head_dim 32 and a few dozen steps on real text (see the module docstring).
 VLLM = ["data.demo=true", "data.mock=false", "schedule.train_steps=30", "model.num_attention_heads=4"]
@@ -104,7 +108,8 @@ def _save_hf(path: Path, kind: str) -> Path:
     """A randomly initialised tiny HF model (GQA 4 heads / 2 KV heads), saved as safetensors."""
     import transformers
 
-    torch.manual_seed({"llama": 1, "llama-tied": 2, "mistral": 3, "mixtral": 4, "llama-rope": 5}[kind])
+    torch.manual_seed({"llama": 1, "llama-tied": 2, "mistral": 3, "mixtral": 4, "llama-rope": 5, "qwen3": 6,
+                       "qwen3-tied": 7}[kind])
     common = dict(vocab_size=4000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                   rope_theta=50000.0, initializer_range=0.1)  # larger weights: logits react to RoPE
@@ -121,6 +126,10 @@ def _save_hf(path: Path, kind: str) -> Path:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
             **common, "num_attention_heads": 2, "num_key_value_heads": 2}, rope_scaling={
             "rope_type": "llama3", **LLAMA3_OTHER_VALUES}))
+    elif kind.startswith("qwen3"):  # head_dim 32 != hidden 64 / 4 heads; Qwen3's eps
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **{**common, "rms_norm_eps": 1e-6}, head_dim=32, tie_word_embeddings=kind == "qwen3-tied"))
+        _randomize_norms(model)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.save_pretrained(path)
@@ -131,7 +140,17 @@ def _save_hf(path: Path, kind: str) -> Path:
     return path
 
 
+def _randomize_norms(model) -> None:
+    """Norm weights away from HF's initial ones: a q_norm / k_norm swapped or dropped on the way
+    must change the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.5 * torch.randn_like(param))
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("hf")
-    return {kind: _save_hf(base / kind, kind) for kind in ("llama", "llama-tied", "mistral", "mixtral", "llama-rope")}
+    kinds = ("llama", "llama-tied", "mistral", "mixtral", "llama-rope", "qwen3", "qwen3-tied")
+    return {kind: _save_hf(base / kind, kind) for kind in kinds}

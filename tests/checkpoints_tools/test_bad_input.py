@@ -145,6 +145,33 @@ def test_export_refuses_what_hf_cannot_express(trained, tmp_path, capsys):
     assert_nothing_written(tmp_path, "out")
 
 
+def test_qwen3_refusals(hf_models, llama_dir, tmp_path, capsys):
+    """Qwen3 (issue 45): a sliding window turned on, a "Qwen3" without q/k norm tensors, a Qwen3
+    checkpoint exported as Llama, and q/k norms on a model Qwen3 cannot hold: one line each."""
+    qwen3 = shutil.copytree(hf_models["qwen3"], tmp_path / "qwen3")
+    config = json.loads((qwen3 / "config.json").read_text())
+    (qwen3 / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 64}))
+    code, err = run_main(import_hf, [qwen3, tmp_path / "out"], capsys)
+    assert code == 2 and "sliding_window=64 (sliding-window attention is not implemented)" in err
+    config = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    code, err = run_main(import_hf, [llama_dir, tmp_path / "out"], capsys)
+    assert code == 2 and "model.layers.0.self_attn.q_norm.weight is missing" in err
+    assert_nothing_written(tmp_path, "out")
+    ckpt = tmp_path / "ckpt"
+    import_hf.import_hf(hf_models["qwen3"], ckpt)
+    code, err = run_main(export_hf, [ckpt, tmp_path / "out", "--architecture", "LlamaForCausalLM",
+                                     "--no-tokenizer"], capsys)
+    assert code == 2 and "LlamaForCausalLM cannot hold this model" in err and "use Qwen3ForCausalLM" in err
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["model"].update(normalization="LayerNorm")
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    code, err = run_main(export_hf, [ckpt, tmp_path / "out", "--no-tokenizer"], capsys)
+    assert code == 2 and "q/k norms but no Qwen3 equivalent: normalization=LayerNorm" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert_nothing_written(tmp_path, "out")
+
+
 # --- the command lines (tests/bad_input.py): exit 2, one error line, nothing written ---------
 
 

@@ -42,14 +42,15 @@ def hf_logits(out, vocab_size: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name, architecture", [
-    ("untied", None), ("untied", "MistralForCausalLM"), ("tied", None), ("moe", None),
+    ("untied", None), ("untied", "MistralForCausalLM"), ("tied", None), ("moe", None), ("qwen3", None),
 ])
 def test_transformers_loads_export_and_logits_match(trained, tmp_path, name, architecture):
     run = trained[name]
     out = tmp_path / "hf"
     summary = export_hf(run.latest, out, architecture=architecture, tokenizer=SP_MODEL)
     config = json.loads((out / "config.json").read_text())
-    expected_arch = architecture or ("MixtralForCausalLM" if name == "moe" else "LlamaForCausalLM")
+    defaults = {"moe": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    expected_arch = architecture or defaults.get(name, "LlamaForCausalLM")
     assert config["architectures"] == [expected_arch] == [summary["architecture"]]
     tensors = read_export(out)
     # Padded vocab rows (4000 -> 4096) removed; tied models ship no lm_head.
@@ -57,8 +58,14 @@ def test_transformers_loads_export_and_logits_match(trained, tmp_path, name, arc
     assert ("lm_head.weight" in tensors) == (name != "tied") and config["tie_word_embeddings"] == (name == "tied")
     if name == "moe":  # every expert of every layer, though EP2 split them over ranks
         assert sum(".experts." in n and n.endswith(".w1.weight") for n in tensors) == 4 * 4
+    if name == "qwen3":  # per-head q/k norms of head_dim 32; q is 8 heads x 32 = 256 wide on hidden 128
+        assert tensors["model.layers.3.self_attn.q_norm.weight"].shape == (32,) == tensors[
+            "model.layers.3.self_attn.k_norm.weight"].shape
+        assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (256, 128) and config["head_dim"] == 32
+        assert config["model_type"] == "qwen3" and config["use_sliding_window"] is False
     logits = hf_logits(out, 4000)
     diff = (logits - run.logits[..., :4000]).abs().max().item()
+    print(f"\n{name}/{expected_arch}: max |logit difference| {diff:.1e}")
     assert diff <= 1e-4, f"{name}/{expected_arch}: max |logit difference| {diff}"
     generation = json.loads((out / "generation_config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2) == (

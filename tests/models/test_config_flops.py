@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from models.config import FLAVORS, ModelConfig, get_flavor
-from models.flops import forward_flops_per_token, total_params, training_flops_per_token
+from models.flops import (embedding_params, forward_flops_per_token, qk_norm_params, total_params,
+                          training_flops_per_token)
 from tests.distributed import run_ranks
 
 
@@ -23,6 +24,8 @@ def test_vocab_padding_is_layout_independent():
 @pytest.mark.parametrize("name, billions", [
     ("llama2-7b", 6.74), ("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3.1-405b", 405.85),
     ("gpt3-175b", 174.6), ("mixtral-8x7b", 46.7),
+    # Qwen3-8B's model card: "Number of Parameters: 8.2B" (untied: 2 x 151936 x 4096 embedding/head).
+    ("qwen3-8b", 8.19),
 ])
 def test_published_sizes(name, billions):
     assert total_params(FLAVORS[name]) / 1e9 == pytest.approx(billions, rel=0.01)
@@ -35,6 +38,27 @@ def test_forward_flops_hand_computed():
     # swiglu mlp 2*8*16*3=768 -> 1408; x2 layers + logits 2*8*128=2048 -> 4864.
     assert forward_flops_per_token(m, 16) == 4864
     assert training_flops_per_token(m, 16) == 3 * 4864
+
+
+def test_qwen3_8b_non_embedding_params_match_its_model_card():
+    """Qwen3-8B's model card: "Number of Paramaters (Non-Embedding): 6.95B". Layers (q/k norms
+    of 128 each included) + the final norm; 36 x 2 x 128 = 9216 of them are q/k norm weights."""
+    m = FLAVORS["qwen3-8b"]
+    non_embedding = total_params(m) - embedding_params(m) - m.padded_vocab_size * m.hidden_size
+    assert non_embedding / 1e9 == pytest.approx(6.95, abs=0.005)
+    assert qk_norm_params(m) == 2 * 128 and qk_norm_params(FLAVORS["llama3-8b"]) == 0
+
+
+def test_forward_flops_hand_computed_with_decoupled_head_dim():
+    """head_dim 6 with hidden 8 and 2 heads (attention 12 wide), as Qwen3 allows; q/k norms add
+    parameters (2 x 6 per layer) but no counted FLOPs."""
+    m = ModelConfig(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                    num_query_groups=1, kv_channels=6, qk_layernorm=True, vocab_size=128, max_seq_length=16)
+    # per layer: qkv 2*8*(2*6+2*1*6)=384, attention 2*2*16*2*6*0.5=384, proj 2*12*8=192,
+    # swiglu mlp 2*8*16*3=768 -> 1728; x2 layers + logits 2*8*128=2048 -> 5504.
+    assert forward_flops_per_token(m, 16) == 5504
+    # per layer: norms 2*8 + q/k norms 2*6 + qkv 8*24 + proj 12*8 + mlp 3*8*16 = 700; x2 + 2*128*8 + 8
+    assert total_params(m) == 2 * 700 + 2 * 128 * 8 + 8
 
 
 def test_invalid_model_config_messages():
@@ -58,7 +82,7 @@ def count_built_params(flavor: str) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("flavor", ["tiny-llama", "tiny-gpt", "tiny-llama-tied", "tiny-moe"])
+@pytest.mark.parametrize("flavor", ["tiny-llama", "tiny-gpt", "tiny-llama-tied", "tiny-moe", "tiny-qwen3"])
 def test_param_formula_matches_built_model(flavor):
     (result,) = run_ranks(1, "tests.models.test_config_flops:count_built_params", flavor=flavor)
     assert result["params"] == total_params(get_flavor(flavor))

@@ -14,8 +14,8 @@ from tests.distributed import run_module
 
 
 def test_every_recipe_resolves_and_validates_for_its_intended_scale():
-    worlds = {"tiny-llama": 4, "tiny-moe": 4, "llama3-8b": 8, "llama3-70b": 64, "gpt3-175b": 1024,
-              "mixtral-8x7b": 32}
+    worlds = {"tiny-llama": 4, "tiny-moe": 4, "tiny-qwen3": 4, "llama3-8b": 8, "qwen3-8b": 8, "llama3-70b": 64,
+              "gpt3-175b": 1024, "mixtral-8x7b": 32}
     for name in RECIPES:
         config = get_recipe(name)
         validate_for_world(config.model_copy(update={"data": config.data}), worlds[name])
@@ -157,6 +157,18 @@ def test_dry_run_prints_resolved_config_and_validates():
     assert "world size 60 is not divisible by TP(8) x PP(4) x CP(1) = 32" in bad.stderr
     unknown = _cli("--recipe", "llama-8b", "--dry-run")
     assert unknown.returncode == 2 and "Did you mean 'llama3-8b'" in unknown.stderr
+
+
+def test_qwen3_dry_run_shows_qk_norms_and_head_dim_and_refuses_bad_layouts():
+    """Issue 45: the q/k norm switch and the head size are printed; a TP that splits Qwen3's
+    query groups, or an odd head size under RoPE, is refused before any process group."""
+    ok = _cli("--recipe", "qwen3-8b", "--dry-run", "--world-size", "16")
+    assert ok.returncode == 0, ok.stderr
+    assert "kv_channels: 128\n  qk_layernorm: true" in ok.stdout and "valid for world size 16: TP2" in ok.stdout
+    tp4 = _cli("--recipe", "tiny-qwen3", "--dry-run", "--world-size", "4", "parallel.tensor_parallel=4")
+    assert tp4.returncode == 2 and "TP=4 does not divide num_query_groups=2; valid TP: 1, 2" in tp4.stderr
+    odd = _cli("--recipe", "tiny-qwen3", "--dry-run", "model.kv_channels=33")
+    assert odd.returncode == 2 and "needs an even head dimension" in odd.stderr and "kv_channels = 33" in odd.stderr
 
 
 def test_model_flavor_override_replaces_the_model_then_fields_apply(tmp_path):

@@ -4,7 +4,8 @@ MoE, sharded data parallelism on one GPU, TP2 / CP2 on two. Run on a GPU machine
 
 Tolerances (relative, per step, tiny models from identical initial weights):
   te vs portable          fp32: 2e-4 every step; bf16: 5e-3 at step 1, 3e-2 over 8 steps
-                          (also with document masking: te's THD packed sequences)
+                          (also with document masking: te's THD packed sequences; and
+                          tiny-qwen3's q/k norms, fp32)
   FP8 recipe vs BF16      3e-2 every step of 20 (FP8 GEMMs on a 256-wide model), and the loss falls
   exact resume            BF16 with deterministic kernels: bitwise; FP8: 1e-3
   grouped GEMM vs loop    fp32: 1e-4 every step
@@ -76,6 +77,17 @@ def test_te_spec_matches_portable(tmp_path, dtype, first, every):
     portable = _losses(tmp_path, "portable", [f"runtime.dtype={dtype}", "runtime.spec=portable"])
     _close(te[:1], portable[:1], first, f"{dtype} te vs portable")
     _close(te, portable, every, f"{dtype} te vs portable")
+    assert te[-1] < te[0] - 0.5, "the run must train, or parity proves nothing"
+
+
+@needs_te
+def test_te_spec_with_qk_norms_matches_portable(tmp_path):
+    """tiny-qwen3 (issue 45): the te spec's TENorm q/k norms (Megatron-Core's qk_layernorm) vs the
+    portable spec's PortableNorm ones, head_dim 32 != hidden / heads, fp32."""
+    qwen3 = ["model=tiny-qwen3", "runtime.dtype=fp32"]
+    te = _losses(tmp_path, "te", qwen3 + ["runtime.spec=te"])
+    portable = _losses(tmp_path, "portable", qwen3 + ["runtime.spec=portable"])
+    _close(te, portable, 2e-4, "tiny-qwen3 fp32 te vs portable")
     assert te[-1] < te[0] - 0.5, "the run must train, or parity proves nothing"
 
 
