@@ -44,7 +44,7 @@ def _count(text: str) -> Optional[int]:
     return value
 
 
-def _overlap_options(items: list[str], efficiency: float) -> ThroughputOptions:
+def _overlap_options(items: list[str], efficiency: Optional[float]) -> ThroughputOptions:
     kinds = ("tp", "cp", "ep", "pp", "dp", "zero", "offload")
     values = {}
     for item in items:
@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer CPU offload (fp32 main weights and Adam moments in host memory)")
     for axis in ("tp", "pp", "vpp", "cp", "ep"):
         p.add_argument(f"--{axis}", type=positive_int, nargs="+", help=f"{axis.upper()} sizes to try (default: all valid)")
-    p.add_argument("--efficiency", type=fraction, default=ThroughputOptions.efficiency,
-                   help="achievable fraction of peak FLOP/s for the math")
+    p.add_argument("--efficiency", type=fraction, default=None,
+                   help="one achievable fraction of peak FLOP/s for all the math (default: per kind of work "
+                        "and precision, fitted to measured runs: launch/planner/efficiency.py)")
     p.add_argument("--overlap", action="append", default=[], metavar="KIND=FRACTION",
                    help="fraction of a communication hidden by compute (tp, cp, ep, pp, dp, zero, offload or all)")
     p.add_argument("--framework-gib", type=_nonnegative, default=MemoryOptions.framework_gib,

@@ -31,6 +31,9 @@ class Device:
     peak_tflops: dict[str, float]
     intra_node_gbps: float  # GB/s per GPU per direction (NVLink, or PCIe without it)
     inter_node_gbps: float  # GB/s per GPU per direction (InfiniBand)
+    # HBM bandwidth, GB/s (datasheets: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H200 4.8): the
+    # element-wise kernels are bound by it.
+    hbm_gbps: float = 3350.0
     gpus_per_node: int = 8
     pcie_gbps: float = 64.0  # GB/s per GPU per direction to the host (PCIe Gen5 x16)
     host_memory_gib: float = 2000 * 1e9 / GIB / 8  # host memory per GPU
@@ -53,9 +56,9 @@ DEVICES: dict[str, Device] = {
     "h100-80gb": Device(name="h100-80gb", memory_gib=81559 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h100-sxm"],
                         intra_node_gbps=450.0, inter_node_gbps=50.0),
     "h100-pcie": Device(name="h100-pcie", memory_gib=81559 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h100-pcie"],
-                        intra_node_gbps=64.0, inter_node_gbps=50.0),
+                        intra_node_gbps=64.0, inter_node_gbps=50.0, hbm_gbps=2000.0),
     "h200-141gb": Device(name="h200-141gb", memory_gib=143771 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h200"],
-                         intra_node_gbps=450.0, inter_node_gbps=50.0),
+                         intra_node_gbps=450.0, inter_node_gbps=50.0, hbm_gbps=4800.0),
 }
 ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb"}
 
