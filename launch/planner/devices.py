@@ -59,6 +59,10 @@ DEVICES: dict[str, Device] = {
                         intra_node_gbps=64.0, inter_node_gbps=50.0, hbm_gbps=2000.0),
     "h200-141gb": Device(name="h200-141gb", memory_gib=143771 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h200"],
                          intra_node_gbps=450.0, inter_node_gbps=50.0, hbm_gbps=4800.0),
+    # A CPU (runs through gloo): nominal numbers, not a datasheet. They only set the scale that
+    # --calibrate fits efficiencies against; plan CPU runs after calibrating on one.
+    "cpu": Device(name="cpu", memory_gib=16.0, peak_tflops={"bf16": 0.2, "fp16": 0.2, "fp8": 0.2, "fp32": 0.2},
+                  intra_node_gbps=10.0, inter_node_gbps=1.0, hbm_gbps=20.0),
 }
 ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb"}
 
