@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(f"--document-length {args.document_length} estimates document masking, which this config "
                             "does not train with: add data.reset_attention_mask=true (and reset_position_ids)")
         device = get_device(args.gpu)
+        problem = device.fp8_problem(config.runtime.fp8_recipe_name)
+        if problem:
+            raise PlanError(problem)
         if args.calibrate:
             tput = _calibrated(args.calibrate, device, tput, args.json)
         result = rank_layouts(config, world_size=args.gpus, device=device, space=space,

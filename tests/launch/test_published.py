@@ -80,3 +80,13 @@ def test_fp8_speeds_up_only_the_linear_gemms():
     assert stage_compute_s(fp8, 0, h100, ThroughputOptions(efficiencies=same_speed)) > base
     fast = stage_compute_s(fp8, 0, h100, ThroughputOptions())
     assert base / 2 < fast < base
+
+
+def test_fp8_recipes_the_device_lacks_are_refused(capsys):
+    """MXFP8 needs compute capability 10.0 (models.precision.FP8_RECIPES): planning it for an
+    H100 is refused in one line, as the training would refuse it at start-up."""
+    from launch.planner import cli
+
+    rc = cli.main(["--recipe", "llama3-8b", "--gpus", "8", "runtime.fp8=hybrid", "runtime.fp8_recipe=mxfp8"])
+    assert rc == cli.BAD_INPUT
+    assert "MXFP8 (runtime.fp8_recipe=mxfp8) needs compute capability 10.0" in capsys.readouterr().err
