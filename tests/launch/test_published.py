@@ -90,3 +90,20 @@ def test_fp8_recipes_the_device_lacks_are_refused(capsys):
     rc = cli.main(["--recipe", "llama3-8b", "--gpus", "8", "runtime.fp8=hybrid", "runtime.fp8_recipe=mxfp8"])
     assert rc == cli.BAD_INPUT
     assert "MXFP8 (runtime.fp8_recipe=mxfp8) needs compute capability 10.0" in capsys.readouterr().err
+
+
+def test_the_published_8b_layout_ranks_in_the_top_5():
+    """Megatron-Bridge's llama3-8b DGX-H100 FP8 layout (Megatron-FSDP over 8, micro batch 1,
+    global batch 128) among the planner's 5 fastest for that model, GPU count and batch.
+    (The 70B layout does not: see README, "Checked against measured runs".)"""
+    from launch.planner.devices import get_device
+    from launch.planner.search import SearchSpace, plan
+    from pretrain.config import apply_overrides
+    from pretrain.recipes import get_recipe
+
+    config = apply_overrides(get_recipe("llama3-8b"), overrides=[
+        "runtime.fp8=hybrid", "runtime.fp8_recipe=tensorwise", "schedule.global_batch_size=128"])
+    result = plan(config, world_size=8, device=get_device("h100-80gb"), space=SearchSpace(micro_batch=(1,)))
+    top = [(e.candidate.tp, e.candidate.pp, e.candidate.cp, e.candidate.zero, e.candidate.hsdp_replicas)
+           for e in result.ranked[:5]]
+    assert (1, 1, 1, 3, 1) in top, top
