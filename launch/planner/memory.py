@@ -29,9 +29,8 @@ from models.config import ModelConfig
 from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params
 
 GIB = 2**30
-# pretrain/wrap.py builds DDP with grad_reduce_in_fp32=True: the grad buffer is fp32
-# whatever the parameter dtype.
-GRAD_BYTES = 4
+# The gradient buffer's element size is Candidate.grad_bytes: pretrain/wrap.py builds DDP with
+# grad_reduce_in_fp32=True (fp32 whatever the parameter dtype); published recipes may not.
 MAIN_PARAM_BYTES = 4  # fp32 master weights of 16-bit parameters
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
 

@@ -101,7 +101,8 @@ def _memory_json(e: Evaluation) -> dict:
     """GiB per GPU on the fullest pipeline stage; `overhead` includes Megatron-FSDP's
     temporary buckets and `params` the cached FP8 weight copies, so the terms add up to `total`."""
     b = e.memory
-    terms = {"params": b.params + b.fp8_buffers, "grads": b.grads, "main_params": b.main_params, "optimizer": b.optimizer_states,
+    terms = {"params": b.params + b.fp8_buffers, "grads": b.grads, "main_params": b.main_params,
+             "optimizer": b.optimizer_states,
              "activations": b.activations, "overhead": b.overhead + b.sharding_buffers, "total": b.total}
     return {k: round(v / GIB, 3) for k, v in terms.items()}
 
