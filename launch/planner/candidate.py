@@ -34,6 +34,17 @@ class Candidate:
     seq_length: int
     dtype: DtypeName = "bf16"
     fp8: bool = False
+    # runtime.fp8_recipe as the training reads it (delayed, tensorwise, blockwise, mxfp8);
+    # only the GEMMs of linear layers run in FP8 (launch.planner.throughput).
+    fp8_recipe: Optional[str] = None
+    # Megatron DDP's grad_reduce_in_fp32: ours always True (pretrain/wrap.py); published
+    # recipes (Megatron-Bridge's llama performance configs) reduce in bf16.
+    grad_reduce_in_fp32: bool = True
+    # Megatron-Core's account_for_embedding_in_pipeline_split + account_for_loss_in_pipeline_split:
+    # the embedding and the loss each take one layer's slot, so L + 2 layers split evenly
+    # (Llama-3.1 405B: 126 + 2 = 128 = PP8 x VPP8 x 2). Our training does not offer it yet
+    # (issue 47 item 5); the planner models it so that published layouts can be estimated.
+    embedding_loss_in_split: bool = False
     recompute: Recompute = "none"
     # Data-parallel sharding: 0 = none, 1 = optimizer state (Megatron's distributed
     # optimizer), 2 = + gradients, 3 = + parameters (Megatron-FSDP).
@@ -70,6 +81,7 @@ class Candidate:
             model=config.model, layout=_model_parallel_only(config.parallel), world_size=world_size,
             micro_batch=sched.micro_batch_size, global_batch=sched.global_batch_size,
             seq_length=sched.seq_length, dtype=config.runtime.dtype, fp8=bool(config.runtime.fp8),
+            fp8_recipe=config.runtime.fp8_recipe_name,
             recompute=config.runtime.recompute, zero=zero_stage(config),
             hsdp_replicas=config.parallel.hsdp_replicas, offload=config.optimizer.cpu_offload,
             bucket_size=config.optimizer.bucket_size,
@@ -183,6 +195,23 @@ class Candidate:
     def act_bytes(self) -> int:
         """Bytes per stored activation element: the training dtype's."""
         return DTYPES[self.dtype].itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the DDP gradient buffer: fp32 with grad_reduce_in_fp32."""
+        return 4 if self.grad_reduce_in_fp32 else DTYPES[self.dtype].itemsize
+
+    def layers_on_stage(self, stage: int) -> int:
+        """Transformer layers on pipeline rank `stage`, all its virtual chunks together: L/p,
+        or with embedding_loss_in_split (L+2)/p less one on the first and on the last stage."""
+        if not self.embedding_loss_in_split:
+            return self.model.num_layers // self.pp
+        per = (self.model.num_layers + 2) // self.pp
+        return per - (stage == 0) - (stage == self.pp - 1)
+
+    @property
+    def max_stage_layers(self) -> int:
+        return max(self.layers_on_stage(s) for s in range(self.pp))
 
     @property
     def param_bytes(self) -> int:

@@ -5,6 +5,7 @@
         --write-override best.yaml          # then: python -m launch.slurm ... --config best.yaml
     python -m launch.plan --recipe gpt3-175b --gpus 1024 --recompute selective full --top 5
     python -m launch.plan --recipe llama3-70b --gpus 16 --zero 2 3 --json > plan.json
+    python -m launch.plan --recipe llama3-8b --gpus 64 --calibrate runs/llama3-8b   # fit to your run
 
 The command line of `launch.planner`: the search is `launch.planner.search`, the memory and
 time models `launch.planner.memory` / `launch.planner.throughput`, the tables
@@ -44,7 +45,7 @@ def _count(text: str) -> Optional[int]:
     return value
 
 
-def _overlap_options(items: list[str], efficiency: float) -> ThroughputOptions:
+def _overlap_options(items: list[str], efficiency: Optional[float]) -> ThroughputOptions:
     kinds = ("tp", "cp", "ep", "pp", "dp", "zero", "offload")
     values = {}
     for item in items:
@@ -61,6 +62,20 @@ def _overlap_options(items: list[str], efficiency: float) -> ThroughputOptions:
     return ThroughputOptions(efficiency=efficiency, **values)
 
 
+def _calibrated(run_dir: str, device, tput: ThroughputOptions, to_stderr: bool) -> ThroughputOptions:
+    """`tput` with the efficiencies fitted to the run in `run_dir` (launch.planner.calibrate);
+    what was fitted goes to stdout, or stderr under --json."""
+    import dataclasses
+
+    from launch.planner.calibrate import calibrate, read_run
+
+    if tput.efficiency is not None:
+        raise PlanError("--calibrate fits the per-kind efficiencies; drop --efficiency")
+    fit = calibrate(read_run(run_dir), device, tput)
+    print(fit.describe(tput.efficiencies), file=sys.stderr if to_stderr else sys.stdout)
+    return dataclasses.replace(tput, efficiencies=fit.efficiencies)
+
+
 def _nonnegative(text: str) -> float:
     value = finite_float(text)
     if value < 0:
@@ -74,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", required=True, help="recipe name (pretrain.recipes)")
     p.add_argument("--config", help="YAML overrides layered over the recipe, as for python -m pretrain")
     p.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
-    p.add_argument("--gpu", default="h100-80gb", help="GPU type (launch.planner.devices): h100-80gb, h100-pcie, h200-141gb")
+    p.add_argument("--gpu", default="h100-80gb",
+                   help="GPU type (launch.planner.devices): h100-80gb, h100-pcie, h200-141gb; cpu (nominal "
+                        "numbers, for --calibrate)")
     p.add_argument("--seq", type=positive_int, help="sequence length (schedule.seq_length)")
     p.add_argument("--global-batch", type=positive_int, help="global batch in sequences (schedule.global_batch_size)")
     p.add_argument("--micro-batch", type=positive_int, nargs="+", default=[1, 2, 4, 8],
@@ -90,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer CPU offload (fp32 main weights and Adam moments in host memory)")
     for axis in ("tp", "pp", "vpp", "cp", "ep"):
         p.add_argument(f"--{axis}", type=positive_int, nargs="+", help=f"{axis.upper()} sizes to try (default: all valid)")
-    p.add_argument("--efficiency", type=fraction, default=ThroughputOptions.efficiency,
-                   help="achievable fraction of peak FLOP/s for the math")
+    p.add_argument("--efficiency", type=fraction, default=None,
+                   help="one achievable fraction of peak FLOP/s for all the math (default: per kind of work "
+                        "and precision, fitted to measured runs: launch/planner/efficiency.py)")
+    p.add_argument("--calibrate", metavar="RUN_DIR",
+                   help="a short run's directory (config.yaml + metrics.jsonl): fit this cluster's efficiencies "
+                        "to its step time after warm-up, print them, and plan with them")
     p.add_argument("--overlap", action="append", default=[], metavar="KIND=FRACTION",
                    help="fraction of a communication hidden by compute (tp, cp, ep, pp, dp, zero, offload or all)")
     p.add_argument("--framework-gib", type=_nonnegative, default=MemoryOptions.framework_gib,
@@ -141,11 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(f"--document-length {args.document_length} estimates document masking, which this config "
                             "does not train with: add data.reset_attention_mask=true (and reset_position_ids)")
         device = get_device(args.gpu)
+        problem = device.fp8_problem(config.runtime.fp8_recipe_name)
+        if problem:
+            raise PlanError(problem)
+        if args.calibrate:
+            tput = _calibrated(args.calibrate, device, tput, args.json)
         result = rank_layouts(config, world_size=args.gpus, device=device, space=space,
                               memory_options=memory_options, throughput_options=tput)
         if not result.ranked and not args.json:
             raise PlanError(no_fit_message(result, space, memory_options, tput))
-    except (PlanError, ConfigError, UnknownDeviceError, ValueError) as exc:
+    except (PlanError, ConfigError, UnknownDeviceError, ValueError, OSError) as exc:
         print_error(exc)
         return BAD_INPUT
     if args.json:

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Optional
+
+from models.precision import FP8_RECIPES
 from models.suggest import did_you_mean
 from pretrain.metrics import DEVICE_PEAK_TFLOPS
 
@@ -31,7 +34,12 @@ class Device:
     peak_tflops: dict[str, float]
     intra_node_gbps: float  # GB/s per GPU per direction (NVLink, or PCIe without it)
     inter_node_gbps: float  # GB/s per GPU per direction (InfiniBand)
+    # HBM bandwidth, GB/s (datasheets: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H200 4.8): the
+    # element-wise kernels are bound by it.
+    hbm_gbps: float = 3350.0
     gpus_per_node: int = 8
+    # CUDA compute capability: which FP8 recipes the device runs (models.precision.FP8_RECIPES).
+    capability: Optional[tuple[int, int]] = (9, 0)
     pcie_gbps: float = 64.0  # GB/s per GPU per direction to the host (PCIe Gen5 x16)
     host_memory_gib: float = 2000 * 1e9 / GIB / 8  # host memory per GPU
     host_memory_gbps: float = 614.0 / 8  # host DRAM bandwidth per GPU (CPU optimizer step)
@@ -44,6 +52,20 @@ class Device:
     def host_memory_bytes(self) -> float:
         return self.host_memory_gib * GIB
 
+    def fp8_problem(self, recipe: Optional[str]) -> Optional[str]:
+        """Why this device cannot run the FP8 recipe (None if it can or there is no FP8): the
+        compute-capability rule the training checks at start-up (models.precision), e.g. MXFP8
+        needs Blackwell."""
+        if recipe is None:
+            return None
+        needs = FP8_RECIPES[recipe]
+        cc = self.capability
+        if cc is None or cc < needs.min_capability or (needs.below_capability and cc >= needs.below_capability):
+            have = "no GPU" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
+            return (f"{needs.title} (runtime.fp8_recipe={recipe}) needs compute capability "
+                    f"{needs.min_capability[0]}.{needs.min_capability[1]} or newer; {self.name} has {have}")
+        return None
+
     def peak(self, dtype: str, fp8: bool = False) -> float:
         """Peak FLOP/s (not TFLOP/s) for the math dtype."""
         return self.peak_tflops["fp8" if fp8 else dtype] * 1e12
@@ -53,9 +75,13 @@ DEVICES: dict[str, Device] = {
     "h100-80gb": Device(name="h100-80gb", memory_gib=81559 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h100-sxm"],
                         intra_node_gbps=450.0, inter_node_gbps=50.0),
     "h100-pcie": Device(name="h100-pcie", memory_gib=81559 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h100-pcie"],
-                        intra_node_gbps=64.0, inter_node_gbps=50.0),
+                        intra_node_gbps=64.0, inter_node_gbps=50.0, hbm_gbps=2000.0),
     "h200-141gb": Device(name="h200-141gb", memory_gib=143771 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h200"],
-                         intra_node_gbps=450.0, inter_node_gbps=50.0),
+                         intra_node_gbps=450.0, inter_node_gbps=50.0, hbm_gbps=4800.0),
+    # A CPU (runs through gloo): nominal numbers, not a datasheet. They only set the scale that
+    # --calibrate fits efficiencies against; plan CPU runs after calibrating on one.
+    "cpu": Device(name="cpu", memory_gib=16.0, peak_tflops={"bf16": 0.2, "fp16": 0.2, "fp8": 0.2, "fp32": 0.2},
+                  intra_node_gbps=10.0, inter_node_gbps=1.0, hbm_gbps=20.0, capability=None),
 }
 ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb"}
 

@@ -29,9 +29,8 @@ from models.config import ModelConfig
 from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params, qk_norm_params
 
 GIB = 2**30
-# pretrain/wrap.py builds DDP with grad_reduce_in_fp32=True: the grad buffer is fp32
-# whatever the parameter dtype.
-GRAD_BYTES = 4
+# The gradient buffer's element size is Candidate.grad_bytes: pretrain/wrap.py builds DDP with
+# grad_reduce_in_fp32=True (fp32 whatever the parameter dtype); published recipes may not.
 MAIN_PARAM_BYTES = 4  # fp32 master weights of 16-bit parameters
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
 
@@ -114,7 +113,7 @@ def params_on_rank(c: Candidate, stage: int) -> RankParams:
     dense = (L/p) x dense_layer + [stage 0] embedding + [stage p-1] output,
     expert = (L/p) x expert_layer."""
     m = c.model
-    layers = m.num_layers // c.pp
+    layers = c.layers_on_stage(stage)
     dense = layers * dense_layer_params_on_rank(m, c.tp)
     if stage == 0:
         dense += embedding_params_on_rank(m, c.tp)
@@ -151,11 +150,12 @@ def param_bytes(c: Candidate, stage: int) -> float:
 
 
 def grad_bytes(c: Candidate, stage: int) -> float:
-    """Gradient buffer in fp32 (grad_reduce_in_fp32=True): ZeRO-0/1: 4 P on every DP rank
-    (the distributed optimizer reduce-scatters into the full buffer); ZeRO-2/3: 4 B / shard."""
+    """Gradient buffer, g = 4 bytes with grad_reduce_in_fp32 (ours), else the dtype's:
+    ZeRO-0/1: g P on every DP rank (the distributed optimizer reduce-scatters into the full
+    buffer); ZeRO-2/3: g B / shard."""
     if c.fsdp:
-        return GRAD_BYTES * fsdp_held_elements(c).shard
-    return _sharded(c, params_on_rank(c, stage), GRAD_BYTES, False)
+        return c.grad_bytes * fsdp_held_elements(c).shard
+    return _sharded(c, params_on_rank(c, stage), c.grad_bytes, False)
 
 
 def main_param_bytes(c: Candidate, stage: int) -> float:
@@ -195,6 +195,33 @@ def host_bytes(c: Candidate, stage: int) -> float:
     return _sharded(c, params_on_rank(c, stage), 16, c.zero >= 1)
 
 
+def linear_layer_params_on_rank(c: Candidate) -> int:
+    """Per-layer parameters of the linear layers whose GEMMs run in FP8 (QKV, projection,
+    MLP or experts), on one rank: a layer's parameters less its norms and router."""
+    m = c.model
+    dense = dense_layer_params_on_rank(m, c.tp) - tp_replicated_layer_params(m)
+    return dense + expert_layer_params_on_rank(m, c.ep, c.etp)
+
+
+# Transformer Engine's delayed scaling keeps an amax history per FP8 tensor: 3 per linear
+# (input, weight, grad output), fp32, 1024 long by default (runtime.fp8_amax_history_len).
+AMAX_HISTORY = 1024
+LINEARS_PER_LAYER = 4  # QKV, projection, fc1, fc2
+
+
+def fp8_buffer_bytes(c: Candidate, stage: int) -> float:
+    """FP8 weight copies that Transformer Engine caches across the microbatches of a step
+    (Megatron passes is_first_microbatch, so the cast weight is reused): on Hopper a rowwise
+    and a columnwise (transposed, for the backward's dgrad) byte per linear parameter,
+    2 x linear_params x layers; + delayed scaling's amax histories, 3 x 4 x 1024 bytes per
+    linear. 0 without FP8 (nothing of this exists)."""
+    if not c.fp8:
+        return 0.0
+    layers = c.layers_on_stage(stage)
+    amax = 3 * 4 * AMAX_HISTORY * LINEARS_PER_LAYER if c.fp8_recipe in (None, "delayed") else 0
+    return layers * (2 * linear_layer_params_on_rank(c) + amax)
+
+
 # --------------------------------------------------------------------------------------
 # Activations (bytes per layer per microbatch unless said otherwise)
 #
@@ -211,18 +238,25 @@ def _sp(c: Candidate) -> int:
     return c.tp if c.layout.sequence_parallel else 1
 
 
+def _linear_input_bytes(c: Candidate) -> int:
+    """Bytes per element of a linear layer's saved input: with FP8, Transformer Engine keeps
+    the quantized FP8 copy it ran the GEMM on (1 byte) for the weight gradient; else e."""
+    return 1 if c.fp8 else c.act_bytes
+
+
 def norm_activation_bytes(c: Candidate) -> float:
     """Inputs of the two norms: 2 e T h / z (paper: 4sbh)."""
     return 2 * c.act_bytes * _tokens(c) * c.model.hidden_size / _sp(c)
 
 
 def attention_activation_bytes(c: Candidate) -> float:
-    """Attention except the s x s scores: QKV input e T h / z + Q, K, V e T (n d + 2 g d) / t
-    + output-projection input e T n d / t + dropout mask T h / z (if dropout).
+    """Attention except the s x s scores: QKV input q T h / z + Q, K, V e T (n d + 2 g d) / t
+    + output-projection input q T n d / t + dropout mask T h / z (if dropout); q = e, or 1
+    for the FP8 copies TE keeps of linear inputs (_linear_input_bytes).
     Paper (MHA, e=2): 2sbh + 6sbh/t + 2sbh/t + sbh = 11sbh at t=1."""
-    m, e, T = c.model, c.act_bytes, _tokens(c)
+    m, e, T, q = c.model, c.act_bytes, _tokens(c), _linear_input_bytes(c)
     nd, gd = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
-    count = e * T * m.hidden_size / _sp(c) + e * T * (nd + 2 * gd) / c.tp + e * T * nd / c.tp
+    count = q * T * m.hidden_size / _sp(c) + e * T * (nd + 2 * gd) / c.tp + q * T * nd / c.tp
     if c.dropout:
         count += T * m.hidden_size / _sp(c)
     return count
@@ -241,15 +275,18 @@ def score_activation_bytes(c: Candidate) -> float:
 
 
 def _mlp_inputs_bytes(c: Candidate, ffn: int, split: int) -> float:
-    """e T f (3 if gated else 2) / split: activation-function input (2f for SwiGLU) and fc2 input."""
-    return c.act_bytes * _tokens(c) * ffn * (3 if c.model.gated else 2) / split
+    """Activation-function input e T f (2 if gated else 1) / split + fc2 input q T f / split
+    (q: _linear_input_bytes)."""
+    act = c.act_bytes * (2 if c.model.gated else 1) + _linear_input_bytes(c)
+    return _tokens(c) * ffn * act / split
 
 
 def mlp_activation_bytes(c: Candidate) -> float:
-    """Dense MLP: fc1 input e T h / z + activation input e T f (2 if gated else 1) / t + fc2
-    input e T f / t + dropout mask T h / z. Paper (f=4h, GeLU, e=2): 2sbh + 16sbh/t + sbh = 19sbh."""
+    """Dense MLP: fc1 input q T h / z + activation input e T f (2 if gated else 1) / t + fc2
+    input q T f / t + dropout mask T h / z (q: _linear_input_bytes).
+    Paper (f=4h, GeLU, e=2): 2sbh + 16sbh/t + sbh = 19sbh."""
     m, T = c.model, _tokens(c)
-    count = c.act_bytes * T * m.hidden_size / _sp(c) + _mlp_inputs_bytes(c, m.ffn_hidden_size, c.tp)
+    count = _linear_input_bytes(c) * T * m.hidden_size / _sp(c) + _mlp_inputs_bytes(c, m.ffn_hidden_size, c.tp)
     if c.dropout:
         count += T * m.hidden_size / _sp(c)
     return count
@@ -335,7 +372,8 @@ def activation_bytes(c: Candidate, stage: int) -> float:
     + [stage 0] ceil(inflight / v) x embedding_activation_bytes
     + [stage p-1] output_activation_bytes."""
     chunks = inflight_chunks(c, stage)
-    layers_per_chunk = c.model.num_layers / (c.pp * c.vpp)
+    # With embedding_loss_in_split the edge stages' chunks average slightly fewer layers.
+    layers_per_chunk = c.layers_on_stage(stage) / c.vpp
     total = chunks * layers_per_chunk * layer_activation_bytes(c) + recompute_working_bytes(c)
     if stage == 0:
         total += -(-chunks // c.vpp) * embedding_activation_bytes(c)
@@ -384,6 +422,7 @@ class MemoryBreakdown:
     activations: float
     overhead: float  # framework allowance + fragmentation
     sharding_buffers: float = 0.0  # Megatron-FSDP's temporary gather / reduce-scatter buckets
+    fp8_buffers: float = 0.0  # Transformer Engine's cached FP8 weights and amax histories
     host: float = 0.0  # host memory per GPU (CPU offload); not part of total
 
     @property
@@ -392,13 +431,14 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        """GPU memory: static + activations + overhead + sharding buffers."""
-        return self.static + self.activations + self.overhead + self.sharding_buffers
+        """GPU memory: static + activations + overhead + sharding buffers + FP8 weight copies."""
+        return self.static + self.activations + self.overhead + self.sharding_buffers + self.fp8_buffers
 
     def terms(self) -> dict[str, float]:
         return {"params": self.params, "grads": self.grads, "main params": self.main_params,
                 "optimizer": self.optimizer_states, "activations": self.activations,
-                "overhead": self.overhead, "FSDP buffers": self.sharding_buffers}
+                "overhead": self.overhead, "FSDP buffers": self.sharding_buffers,
+                "FP8 weights": self.fp8_buffers}
 
     def describe(self) -> str:
         """'params 14.9 + grads 29.9 + ... = 81.2 GiB (stage 0)'."""
@@ -421,6 +461,7 @@ def memory_on_stage(c: Candidate, stage: int, options: MemoryOptions = MemoryOpt
         activations=acts,
         overhead=overhead_bytes(acts, options),
         sharding_buffers=sharding_buffer_bytes(c),
+        fp8_buffers=fp8_buffer_bytes(c, stage),
         host=host_bytes(c, stage),
     )
 
@@ -434,5 +475,10 @@ def peak_memory(c: Candidate, options: MemoryOptions = MemoryOptions()) -> Memor
 def edge_stages(c: Candidate) -> tuple[int, ...]:
     """Stages that can be the largest: a middle stage holds no more parameters than stage 0
     (which adds the embedding) and no more microbatches in flight, so only the first and
-    the last stage need evaluating."""
-    return (0,) if c.pp == 1 else (0, c.pp - 1)
+    the last stage need evaluating. With embedding_loss_in_split a middle stage holds one
+    layer more than either edge, so stage 1 is evaluated too."""
+    if c.pp == 1:
+        return (0,)
+    if c.embedding_loss_in_split and c.pp > 2:
+        return (0, 1, c.pp - 1)
+    return (0, c.pp - 1)

@@ -39,7 +39,8 @@ def _add_columns(table: Table, names: list[str]) -> None:
 
 def _memory_cells(e: Evaluation) -> list[str]:
     b = e.memory
-    return [_gib(b.params), _gib(b.grads), _gib(b.main_params), _gib(b.optimizer_states),
+    # Transformer Engine's cached FP8 weight copies are weights too: shown under params.
+    return [_gib(b.params + b.fp8_buffers), _gib(b.grads), _gib(b.main_params), _gib(b.optimizer_states),
             _gib(b.activations), _gib(b.overhead + b.sharding_buffers), _gib(b.total)]
 
 
@@ -98,9 +99,10 @@ def _layout_json(e: Evaluation) -> dict:
 
 def _memory_json(e: Evaluation) -> dict:
     """GiB per GPU on the fullest pipeline stage; `overhead` includes Megatron-FSDP's
-    temporary buckets, so the terms add up to `total`."""
+    temporary buckets and `params` the cached FP8 weight copies, so the terms add up to `total`."""
     b = e.memory
-    terms = {"params": b.params, "grads": b.grads, "main_params": b.main_params, "optimizer": b.optimizer_states,
+    terms = {"params": b.params + b.fp8_buffers, "grads": b.grads, "main_params": b.main_params,
+             "optimizer": b.optimizer_states,
              "activations": b.activations, "overhead": b.overhead + b.sharding_buffers, "total": b.total}
     return {k: round(v / GIB, 3) for k, v in terms.items()}
 

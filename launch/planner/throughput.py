@@ -25,16 +25,18 @@ import dataclasses
 
 from launch.planner.candidate import Candidate
 from launch.planner.devices import Device
-from launch.planner.memory import GRAD_BYTES, edge_stages, host_bytes, params_on_rank
+from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
+from launch.planner.memory import edge_stages, host_bytes, params_on_rank
 from models.flops import forward_flops_per_token, training_flops_per_step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ThroughputOptions:
-    # Fraction of the datasheet peak that the matmuls reach (cuBLAS large GEMMs ~70-80%,
-    # attention and element-wise kernels lower); communication and bubble are modelled
-    # separately, so this is not the end-to-end MFU.
-    efficiency: float = 0.6
+    # Per kind of work and precision (launch.planner.efficiency): fitted to measured runs.
+    efficiencies: Efficiencies = DEFAULT_EFFICIENCIES
+    # One fraction of peak for all FLOPs (no element-wise term): the old model, kept for
+    # --efficiency and the unit tests' round numbers; None = use `efficiencies`.
+    efficiency: float | None = None
     # Fraction of the link bandwidth NCCL reaches (bus bandwidth / link bandwidth).
     bus_efficiency: float = 0.8
     # Fraction of each communication hidden behind compute. Defaults follow what our
@@ -62,7 +64,7 @@ class ThroughputOptions:
         # An efficiency of 0 divided by zero; 5 reported 461% MFU; an overlap above 1 hid
         # more communication than there is.
         for name in ("efficiency", "bus_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name}={getattr(self, name):g} must be a fraction in (0, 1]")
         for kind in ("tp", "cp", "ep", "pp", "dp"):
             if not 0 <= getattr(self, f"{kind}_overlap") <= 1:
@@ -114,15 +116,67 @@ def recompute_flops_per_layer(c: Candidate) -> float:
     return 0.0
 
 
-def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOptions) -> float:
-    """One microbatch through pipeline rank `stage`, forward + backward:
-    s b [(L/p)(3 X + recompute) + (last stage) 3 Y] / (t c) / (peak x efficiency)."""
+def core_attention_flops(c: Candidate) -> float:
+    """Forward FLOPs per token per layer of the attention core (Q K^T and A V), the part of X
+    that grows with s: (F(s) - F(0)) / L."""
+    m = c.model
+    return (forward_flops_per_token(m, c.seq_length, attention_fraction=_attention_fraction(c))
+            - forward_flops_per_token(m, 0)) / m.num_layers
+
+
+def elementwise_bytes_per_token(c: Candidate) -> float:
+    """HBM bytes per token per layer that the forward's element-wise kernels move (e bytes per
+    element): 2 norms read + write h (4 e h), 2 residual adds read 2 write 1 (6 e h), the
+    activation function reads 2f writes f if gated (else reads and writes f), RoPE reads and
+    writes Q and K (2 e (n + g) d); with FP8 each linear input is read in e and written in one
+    byte: (e + 1) (2h + n d + f). Launch overheads are not modelled."""
+    m, e = c.model, c.act_bytes
+    h, f, nd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.head_dim
+    total = 10 * e * h + (3 if m.gated else 2) * e * f
+    if m.position_embedding == "rope":
+        total += 2 * e * (nd + m.query_groups * m.head_dim)
+    if c.fp8:
+        total += (e + 1) * (2 * h + nd + f)
+    return total
+
+
+def _time_per_token(c: Candidate, layers: float, last: bool, device: Device, opts: ThroughputOptions) -> float:
+    """Seconds per token (before dividing by TP x CP) for `layers` layers forward + backward
+    (+ recompute), and on the last stage the logits and loss; each kind at its efficiency:
+      linear GEMMs 3 (X - A) [+ recompute] at gemm(dtype, fp8) of the precision's peak,
+      attention core 3 A [+ recompute] at `attention` of the BF16 peak (it never runs in FP8),
+      logits 3 Y at gemm_bf16 (Megatron's output layer is not a TE module: no FP8),
+      element-wise 3 bytes [+1 forward under full recompute] at `memory` of HBM bandwidth,
+      the loss 3 x 4 V bytes (fp32 logits written, read, gradient written)."""
+    eff = opts.efficiencies
     layer, logits = layer_and_logit_flops(c)
-    per_token = (c.model.num_layers / c.pp) * (3 * layer + recompute_flops_per_layer(c))
-    if stage == c.pp - 1:
+    attention = core_attention_flops(c)
+    passes = {"full": 4, "selective": 3, "none": 3}[c.recompute]
+    attn_passes = 3 if c.recompute == "none" else 4
+    bf16 = device.peak("bf16" if c.dtype != "fp32" else "fp32")
+    t = layers * (passes * (layer - attention) / (device.peak(c.dtype, c.fp8) * eff.gemm(c.dtype, c.fp8, c.fp8_recipe))
+                  + attn_passes * attention / (bf16 * (eff.attention if c.dtype != "fp32" else eff.gemm_fp32)))
+    hbm = device.hbm_gbps * 1e9 * eff.memory
+    t += layers * (passes * elementwise_bytes_per_token(c)) / hbm
+    if last:
+        t += 3 * logits / (bf16 * eff.gemm(c.dtype, False)) + 12 * c.model.padded_vocab_size / hbm
+    return t
+
+
+def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOptions) -> float:
+    """One microbatch through pipeline rank `stage`, forward + backward, s b / (t c) tokens:
+    by kind of work (_time_per_token); with a single --efficiency, the old one-constant model
+    s b [(L/p)(3 X + recompute) + (last stage) 3 Y] / (t c) / (peak x efficiency)."""
+    layers = c.layers_on_stage(stage)
+    last = stage == c.pp - 1
+    tokens = c.seq_length * c.micro_batch / (c.tp * c.cp)
+    if opts.efficiency is None:
+        return tokens * _time_per_token(c, layers, last, device, opts)
+    layer, logits = layer_and_logit_flops(c)
+    per_token = layers * (3 * layer + recompute_flops_per_layer(c))
+    if last:
         per_token += 3 * logits
-    flops = per_token * c.seq_length * c.micro_batch / (c.tp * c.cp)
-    return flops / (device.peak(c.dtype, c.fp8) * opts.efficiency)
+    return per_token * tokens / (device.peak(c.dtype, c.fp8) * opts.efficiency)
 
 
 def _bandwidth(span: int, device: Device, opts: ThroughputOptions) -> float:
@@ -145,7 +199,7 @@ def tp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
         return 0.0
     size = c.act_bytes * c.seq_length / c.cp * c.micro_batch * c.model.hidden_size
     per_allreduce = 2 * (c.tp - 1) / c.tp * size / _bandwidth(c.tp, device, opts)
-    return (c.model.num_layers / c.pp) * 2 * _passes(c) * per_allreduce
+    return c.max_stage_layers * 2 * _passes(c) * per_allreduce
 
 
 def cp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
@@ -157,7 +211,7 @@ def cp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     m = c.model
     kv = 2 * c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * m.query_groups * m.head_dim / c.tp
     hops = (c.cp - 1) * (3 + (1 if c.recompute == "full" else 0))
-    return (m.num_layers / c.pp) * hops * kv / _bandwidth(c.tp * c.cp, device, opts)
+    return c.max_stage_layers * hops * kv / _bandwidth(c.tp * c.cp, device, opts)
 
 
 def ep_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
@@ -170,7 +224,7 @@ def ep_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     m = c.model
     routed = m.moe_router_topk * c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * m.hidden_size / z
     per_all_to_all = routed * (c.ep - 1) / c.ep / _bandwidth(c.etp * c.ep, device, opts)
-    return (m.num_layers / c.pp) * 2 * _passes(c) * per_all_to_all
+    return c.max_stage_layers * 2 * _passes(c) * per_all_to_all
 
 
 def pp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
@@ -212,7 +266,7 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
             total += (s - 1) / s * worst.total * c.param_bytes / _bandwidth(_shard_span(c), device, opts)
         r = c.hsdp_replicas
         if r > 1:
-            total += 2 * (r - 1) / r * GRAD_BYTES * worst.total / c.dense_zero_shard / _bandwidth(
+            total += 2 * (r - 1) / r * c.grad_bytes * worst.total / c.dense_zero_shard / _bandwidth(
                 c.world_size // c.pp, device, opts)
         return total
     bw = _bandwidth(c.world_size // c.pp, device, opts)
@@ -221,9 +275,9 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
         if d == 1 or count == 0:
             continue
         if c.distributed_optimizer:
-            total += (d - 1) / d * count * (GRAD_BYTES + c.param_bytes) / bw
+            total += (d - 1) / d * count * (c.grad_bytes + c.param_bytes) / bw
         else:
-            total += 2 * (d - 1) / d * count * GRAD_BYTES / bw
+            total += 2 * (d - 1) / d * count * c.grad_bytes / bw
     return total
 
 
@@ -236,7 +290,7 @@ def zero_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     if not c.fsdp:
         return 0.0
     worst = _worst_params(c)
-    per_param = GRAD_BYTES + (2 * c.param_bytes if c.zero == 3 else 0)
+    per_param = c.grad_bytes + (2 * c.param_bytes if c.zero == 3 else 0)
     groups = ((worst.dense, c.dense_zero_shard, _shard_span(c)),
               (worst.expert, c.expert_zero_shard, c.world_size // c.pp))
     return sum((s - 1) / s * count * per_param / _bandwidth(span, device, opts)

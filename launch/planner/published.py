@@ -1,0 +1,124 @@
+"""The planner against measured runs: launch/planner/published.yaml's rows (Megatron-Bridge's
+published DGX-H100 table and this stack's own H100 measurements), each estimated at its exact
+layout, and the fit of the per-kind efficiencies (launch.planner.efficiency) to them.
+
+    python -m launch.planner.published            # the table (markdown), as in the README
+    python -m launch.planner.published --fit      # refit the efficiencies and print them
+
+Rows are built as `Candidate`s directly, not through the training's validation: the 405B
+layout needs Megatron-Core's embedding/loss pipeline split, which our training does not offer
+yet (issue 47 item 5) but the planner models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+
+import yaml
+
+from launch.planner.candidate import Candidate
+from launch.planner.devices import get_device
+from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
+from launch.planner.memory import GIB, peak_memory
+from launch.planner.throughput import ThroughputOptions, estimate_step
+from models.config import get_flavor
+from models.layout import ParallelLayout
+
+PUBLISHED = pathlib.Path(__file__).with_name("published.yaml")
+# Where a recipe overlaps TP communication (userbuffers) and the DP gradient reduce / parameter
+# gather with compute: the share hidden, the planner's existing constant for overlapped kinds
+# (cp_overlap, zero_overlap), not fitted.
+OVERLAPPED = 0.8
+# The efficiencies these rows determine (launch.planner.efficiency says why not attention, memory).
+FITTED_KINDS = ("gemm_bf16", "gemm_fp8", "gemm_fp8_delayed")
+
+
+def load_rows(path: pathlib.Path = PUBLISHED) -> list[dict]:
+    return yaml.safe_load(path.read_text())["rows"]
+
+
+def row_candidate(r: dict) -> Candidate:
+    """The Candidate a published row describes."""
+    model = get_flavor(r["model"])
+    if "num_layers" in r:
+        model = model.model_copy(update={"num_layers": r["num_layers"]})
+    layout = ParallelLayout(tensor_parallel=r["tp"], pipeline_parallel=r["pp"],
+                            virtual_pipeline=r["vpp"] if r["vpp"] > 1 else None, context_parallel=r["cp"],
+                            sequence_parallel=r["tp"] > 1)
+    return Candidate(model=model, layout=layout, world_size=r["gpus"], micro_batch=r["mbs"], global_batch=r["gbs"],
+                     seq_length=r["seq"], dtype=r["dtype"], fp8=r["fp8"] is not None, fp8_recipe=r["fp8"],
+                     recompute=r["recompute"], zero=r["zero"], grad_reduce_in_fp32=r["grad_fp32"],
+                     embedding_loss_in_split=r.get("split", False))
+
+
+def row_options(r: dict, eff: Efficiencies) -> ThroughputOptions:
+    overlap = OVERLAPPED if r["overlap"] else 0.0
+    return ThroughputOptions(efficiencies=eff, tp_overlap=overlap, dp_overlap=overlap)
+
+
+def predict(r: dict, eff: Efficiencies = DEFAULT_EFFICIENCIES) -> tuple[float, float]:
+    """(predicted tokens/s/GPU, peak memory GiB) of row `r`."""
+    c = row_candidate(r)
+    device = get_device(r.get("device", "h100-80gb"))
+    est = estimate_step(c, device, row_options(r, eff))
+    return est.tokens_per_s / c.world_size, peak_memory(c).total / GIB
+
+
+def fit_efficiencies(rows: list[dict], start: Efficiencies = DEFAULT_EFFICIENCIES) -> Efficiencies:
+    """Least squares on log(predicted / measured) over `rows`, for the FITTED_KINDS (each kept
+    in [0.05, 1]); the other kinds stay at `start`."""
+    from scipy.optimize import least_squares
+
+    def residuals(x):
+        eff = dataclasses.replace(start, **dict(zip(FITTED_KINDS, x, strict=True)))
+        return [math.log(predict(r, eff)[0] / r["tokens_per_s_per_gpu"]) for r in rows]
+
+    x0 = [getattr(start, k) for k in FITTED_KINDS]
+    result = least_squares(residuals, x0, bounds=([0.05] * len(x0), [1.0] * len(x0)))
+    return dataclasses.replace(start, **dict(zip(FITTED_KINDS, (round(v, 3) for v in result.x), strict=True)))
+
+
+def table_rows(rows: list[dict], eff: Efficiencies = DEFAULT_EFFICIENCIES) -> list[dict]:
+    """One dict per row: the row, predicted tokens/s/GPU, error, memory and whether it fits."""
+    out = []
+    for r in rows:
+        tokens, mem = predict(r, eff)
+        device = get_device(r.get("device", "h100-80gb"))
+        out.append({**r, "predicted": tokens, "error": tokens / r["tokens_per_s_per_gpu"] - 1,
+                    "memory_gib": mem, "fits": mem <= device.memory_gib})
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| source | model | GPUs | precision | TP/PP/VPP/CP | ZeRO | MBS/GBS | seq | recompute | measured "
+            "tok/s/GPU | predicted | error | memory GiB (fits) |\n|" + "---|" * 13)
+    lines = [head]
+    for r in rows:
+        model = r["model"] + (f" ({r['num_layers']} layers)" if "num_layers" in r else "")
+        precision = f"FP8 {r['fp8']}" if r["fp8"] else r["dtype"].upper()
+        lines.append(
+            f"| {r['source']} | {model} | {r['gpus']} | {precision} | {r['tp']}/{r['pp']}/{r['vpp']}/{r['cp']} | "
+            f"{r['zero']} | {r['mbs']}/{r['gbs']} | {r['seq']} | {r['recompute']} | {r['tokens_per_s_per_gpu']:,} | "
+            f"{r['predicted']:,.0f} | {r['error']:+.1%} | {r['memory_gib']:.1f} ({'yes' if r['fits'] else 'NO'}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.planner.published", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fit", action="store_true", help="refit the efficiencies to the rows and print them")
+    args = p.parse_args(argv)
+    rows = load_rows()
+    eff = fit_efficiencies(rows) if args.fit else DEFAULT_EFFICIENCIES
+    if args.fit:
+        print(f"fitted ({len(FITTED_KINDS)} free parameters, {len(rows)} rows): {eff.describe()}")
+    print(markdown(table_rows(rows, eff)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
