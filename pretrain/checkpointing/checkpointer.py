@@ -307,8 +307,13 @@ def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
     """Refuse a checkpoint of a different model; returns its metadata."""
     meta = CheckpointMeta.read(path)
     mine = config.model.model_dump()
-    diffs = [f"{k}: checkpoint {meta.model.get(k)!r} vs config {v!r}"
-             for k, v in mine.items() if meta.model.get(k) != v]
+    # A key the checkpoint lacks was added to ModelConfig after it was written (e.g.
+    # qk_layernorm after format-1 fixtures): new fields default to the behaviour before them,
+    # so the checkpoint's value is that default.
+    fields = type(config.model).model_fields
+    theirs = {k: meta.model[k] if k in meta.model else fields[k].get_default(call_default_factory=True)
+              for k in mine}
+    diffs = [f"{k}: checkpoint {theirs[k]!r} vs config {v!r}" for k, v in mine.items() if theirs[k] != v]
     if diffs:
         raise CheckpointError(f"checkpoint {path} is from an incompatible model:\n  " + "\n  ".join(diffs))
     _check_moe_optimizer_move(path, meta, config)
