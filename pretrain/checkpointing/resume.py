@@ -6,9 +6,9 @@ warning if it is incomplete or damaged in a way a stat finds (format.damage); an
 path that fails is an error. `auto` with no usable checkpoint where checkpoints were saved
 (a damaged one, or a `latest` naming one that is gone) is an error too, never a fresh start:
 a requeued job would retrain from step 0 and overwrite the evidence. Only a folder holding
-nothing but interrupted saves (a crash during the first save) starts fresh: nothing is lost. Checkpoints NEWER than the resume point would be overwritten
-or mixed with this run's saves: `checkpoint.on_newer=refuse` (default) stops here, naming
-them; `move_aside` moves them into `<checkpoint.dir>/superseded-<time>/`.
+nothing but interrupted saves (a crash during the first save) starts fresh: nothing is lost.
+Checkpoints NEWER than the resume point would be overwritten or mixed with this run's saves:
+`checkpoint.on_newer=refuse` (default) stops here, naming them; `move_aside` moves them into `<checkpoint.dir>/superseded-<time>/`.
 
 With `checkpoint.branch_from` (a cooldown branch, pretrain.checkpointing.branch) and `auto`
 finding nothing in checkpoint.dir, the branch point is the one candidate, checked there.

@@ -75,13 +75,18 @@ def _synthetic(rng, true: dict, noise: float) -> tuple[np.ndarray, np.ndarray, n
 TRUE = {"E": 1.7, "A": 400.0, "B": 1500.0, "alpha": 0.34, "beta": 0.28}
 
 
+def _fit_synthetic(tmp_path, ns, ds, loss, *, approach: int, bootstrap: int, timeout: int) -> dict:
+    """`launch.scaling fit --json --plot tmp_path/plots` on these runs, through the CLI."""
+    path = _write(tmp_path / "runs.csv", [{"params": n, "tokens": d, "loss": l} for n, d, l in zip(ns, ds, loss)])
+    out = subprocess.run([sys.executable, "-m", "launch.scaling", "fit", str(path), "--approach", str(approach),
+                          "--bootstrap", str(bootstrap), "--json", "--plot", str(tmp_path / "plots")],
+                         cwd=REPO, capture_output=True, text=True, timeout=timeout, check=True)
+    return json.loads(out.stdout)
+
+
 def test_approach3_recovers_known_parameters(tmp_path):
     ns, ds, loss = _synthetic(np.random.default_rng(1), TRUE, noise=0.003)
-    path = _write(tmp_path / "runs.csv", [{"params": n, "tokens": d, "loss": l} for n, d, l in zip(ns, ds, loss)])
-    out = subprocess.run([sys.executable, "-m", "launch.scaling", "fit", str(path), "--approach", "3",
-                          "--bootstrap", "100", "--json", "--plot", str(tmp_path / "plots")],
-                         cwd=REPO, capture_output=True, text=True, timeout=900, check=True)
-    doc = json.loads(out.stdout)
+    doc = _fit_synthetic(tmp_path, ns, ds, loss, approach=3, bootstrap=100, timeout=900)
     assert doc["approach"] == 3 and doc["n_points"] == 45
     for name, value in TRUE.items():
         entry = doc["params"][name]
@@ -96,11 +101,7 @@ def test_approach3_recovers_known_parameters(tmp_path):
 
 def test_approach2_recovers_the_compute_optimal_exponents(tmp_path):
     ns, ds, loss = _synthetic(np.random.default_rng(2), TRUE, noise=0.001)
-    path = _write(tmp_path / "runs.csv", [{"params": n, "tokens": d, "loss": l} for n, d, l in zip(ns, ds, loss)])
-    out = subprocess.run([sys.executable, "-m", "launch.scaling", "fit", str(path), "--approach", "2",
-                          "--bootstrap", "200", "--json", "--plot", str(tmp_path / "plots")],
-                         cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
-    doc = json.loads(out.stdout)
+    doc = _fit_synthetic(tmp_path, ns, ds, loss, approach=2, bootstrap=200, timeout=600)
     a_true = TRUE["beta"] / (TRUE["alpha"] + TRUE["beta"])
     opt = doc["optimal"]
     assert len(opt["budgets"]) == 5 and all(b["n_points"] == 9 for b in opt["budgets"])
