@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # vLLM's environment (`bash dev.sh vllm-env`, ~3.5 GB of wheels) takes ~150 s to create on a
@@ -49,3 +52,25 @@ def pytest_sessionfinish(session, exitstatus):
     if proc is not None and proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def module_tmp_factory(tmp_path_factory, request):
+    """`tmp_path_factory` for a module's fixtures, whose folders go when the module's tests are
+    done, unless one of them failed (then they stay for the post-mortem, like a failed test's
+    `tmp_path`). The suite writes ~100 MB per training test (checkpoints, Megatron's index
+    cache of its 100k-document mock corpus); kept to the end of the session, the folders of
+    860 tests filled a CI machine's disk."""
+    made: list[Path] = []
+    failed_before = request.session.testsfailed
+
+    class _Factory:
+        def mktemp(self, basename: str) -> Path:
+            path = tmp_path_factory.mktemp(basename)
+            made.append(path)
+            return path
+
+    yield _Factory()
+    if request.session.testsfailed == failed_before:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)

@@ -176,9 +176,9 @@ def test_qwen3_refusals(hf_models, llama_dir, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def imported(hf_models, tmp_path_factory):
+def imported(hf_models, module_tmp_factory):
     """A model-only checkpoint of the tiny HF Llama (import_hf: one process, no training)."""
-    out = tmp_path_factory.mktemp("imported") / "ckpt"
+    out = module_tmp_factory.mktemp("imported") / "ckpt"
     import_hf.import_hf(hf_models["llama"], out)
     return out
 

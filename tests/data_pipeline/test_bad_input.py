@@ -249,11 +249,11 @@ def test_fast_json_path_reads_what_the_json_module_reads(line):
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(module_tmp_factory):
     """A finished dataset (byte tokenizer) to damage copies of and to protect."""
     from data_pipeline.datasets import DEMO_CORPUS
 
-    out = tmp_path_factory.mktemp("made")
+    out = module_tmp_factory.mktemp("made")
     preprocess([DEMO_CORPUS], tokenizer="byte", output_prefix=str(out / "kjv"), workers=0)
     return out / "kjv"
 

@@ -22,9 +22,9 @@ DEMO = "data_pipeline/assets/demo_sp.model"
 
 
 @pytest.fixture(scope="module")
-def two_sources(tmp_path_factory, texts):
+def two_sources(module_tmp_factory, texts):
     """Two datasets from different books (Genesis-Exodus vs the rest)."""
-    root = tmp_path_factory.mktemp("sources")
+    root = module_tmp_factory.mktemp("sources")
     for name, part in (("early", texts[:90]), ("late", texts[90:])):
         preprocess([write_jsonl(root / f"{name}.jsonl", part)], tokenizer=DEMO,
                    output_prefix=str(root / name), append_eod=True, workers=0)

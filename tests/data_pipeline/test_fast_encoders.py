@@ -69,9 +69,9 @@ def jargon_docs(debian_jargon) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def own_models(tmp_path_factory, debian_jargon) -> dict[str, str]:
+def own_models(module_tmp_factory, debian_jargon) -> dict[str, str]:
     """Our own SentencePiece models trained on the Jargon File (train_tokenizer)."""
-    root = tmp_path_factory.mktemp("own")
+    root = module_tmp_factory.mktemp("own")
     corpus = write_jsonl(root / "train.jsonl", debian_jargon[:400])
     return {f"{kind}-{fallback}": train([corpus], str(root / f"{kind}-{fallback}"), vocab_size=1000,
                                         model_type=kind, byte_fallback=fallback, progress=False)
@@ -79,7 +79,7 @@ def own_models(tmp_path_factory, debian_jargon) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def gpt2_style(tmp_path_factory, debian_jargon) -> str:
+def gpt2_style(module_tmp_factory, debian_jargon) -> str:
     """A GPT-2 style byte-level BPE tokenizer.json with <|endoftext|> as a special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -89,7 +89,7 @@ def gpt2_style(tmp_path_factory, debian_jargon) -> str:
     tok.train_from_iterator(debian_jargon[:1500], trainers.BpeTrainer(
         vocab_size=3000, special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    path = str(tmp_path_factory.mktemp("gpt2") / "tokenizer.json")
+    path = str(module_tmp_factory.mktemp("gpt2") / "tokenizer.json")
     tok.save(path)
     return path
 

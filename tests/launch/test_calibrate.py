@@ -22,8 +22,8 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("calibrate") / "run"
+def cpu_run(module_tmp_factory):
+    run_dir = module_tmp_factory.mktemp("calibrate") / "run"
     overrides = [
         "runtime.spec=portable", f"schedule.train_steps={STEPS}", "schedule.warmup_steps=1", "schedule.seq_length=64",
         "schedule.micro_batch_size=2", "schedule.global_batch_size=4", "data.demo=true", "logging.log_interval=1",

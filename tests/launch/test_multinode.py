@@ -91,12 +91,12 @@ def _one_node(name: str, recipe: str, overrides: list[str], base: Path, demo: Pa
 
 
 @pytest.fixture(scope="module")
-def runs(cluster, tmp_path_factory):
+def runs(cluster, module_tmp_factory):
     """Every run of the module; 2-node jobs queue in Slurm while the one-node ones run here."""
     from data_pipeline.datasets import ensure_demo_dataset
 
     layout, env = cluster
-    base = tmp_path_factory.mktemp("multinode")
+    base = module_tmp_factory.mktemp("multinode")
     demo = base / "demo"
     ensure_demo_dataset(str(demo))
     jobs = {name: _two_node(name, recipe, launcher, overrides, base, demo, env)

@@ -114,14 +114,14 @@ def _rank_pid(run_dir: Path, rank: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def faults(cluster, tmp_path_factory):
+def faults(cluster, module_tmp_factory):
     """Submit every job (started together), run the reference, strike each job after
     its step-2 checkpoint."""
     from data_pipeline.datasets import ensure_demo_dataset
     from launch.launchers import ci_multinode
 
     layout, env = cluster
-    base = tmp_path_factory.mktemp("faults")
+    base = module_tmp_factory.mktemp("faults")
     demo = base / "demo"
     ensure_demo_dataset(str(demo))
     # Whole nodes per job (sbatch reads SBATCH_EXCLUSIVE): a crashed node hits one job only.

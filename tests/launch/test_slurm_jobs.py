@@ -43,14 +43,14 @@ def cpu_job(run_dir: Path, cache: Path, ranks: int = 4, extra: tuple[str, ...] =
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("demo-data")  # the demo corpus, tokenised once for all jobs
+def cache_dir(module_tmp_factory) -> Path:
+    return module_tmp_factory.mktemp("demo-data")  # the demo corpus, tokenised once for all jobs
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(slurm_env, tmp_path_factory, cache_dir):
+def uninterrupted(slurm_env, module_tmp_factory, cache_dir):
     """The TP2 x PP2 job run to the end once; the reference for the preemption test."""
-    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_dir = module_tmp_factory.mktemp("uninterrupted") / "run"
     job_id = submit(cpu_job(run_dir, cache_dir) + TINY, slurm_env)
     return run_dir, job_id, wait_for_job(job_id, slurm_env, run_dir)
 

@@ -18,12 +18,12 @@ TINY = ["--recipe", "tiny-llama", "data.demo=false", "data.mock=true", "logging.
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
+def dataset(module_tmp_factory) -> Path:
     """A small real-text dataset tokenised with the demo SentencePiece model: (prefix, tokenizer)."""
     from data_pipeline.datasets import DEMO_CORPUS, DEMO_TOKENIZER
     from data_pipeline.preprocess import preprocess
 
-    out = tmp_path_factory.mktemp("data")
+    out = module_tmp_factory.mktemp("data")
     preprocess([DEMO_CORPUS], tokenizer=DEMO_TOKENIZER, output_prefix=str(out / "kjv"), append_eod=True, workers=0)
     return out / "kjv"
 

@@ -20,9 +20,9 @@ BASE = ["schedule.seq_length=32", "schedule.micro_batch_size=2", "schedule.globa
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(module_tmp_factory):
     """Four steps, checkpoints at 2 and 4 (one rank), and the uninterrupted losses."""
-    root = tmp_path_factory.mktemp("integrity")
+    root = module_tmp_factory.mktemp("integrity")
     losses = logged_losses(run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama", overrides=BASE + [
         "schedule.train_steps=4", "checkpoint.save_interval=2", f"checkpoint.dir={root / 'ckpt'}",
         "checkpoint.resume=none", f"logging.run_dir={root / 'run'}"]))

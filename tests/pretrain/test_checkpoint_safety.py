@@ -28,8 +28,8 @@ class _RunsCode:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("safety")
+def checkpoint(module_tmp_factory):
+    root = module_tmp_factory.mktemp("safety")
     run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama",
               overrides=BASE + [f"checkpoint.dir={root / 'ckpt'}", f"logging.run_dir={root / 'run'}"])
     return root / "ckpt" / "step_00000001"

@@ -108,11 +108,11 @@ def test_a_whole_section_refusal_is_one_short_line():
 
 
 @pytest.fixture(scope="module")
-def kjv_prefixes(tmp_path_factory):
+def kjv_prefixes(module_tmp_factory):
     """Indexed datasets of the first 500 and 501 documents of the shipped demo corpus."""
     from tests.pretrain.config_fuzz import make_datasets
 
-    return make_datasets(tmp_path_factory.mktemp("kjv"), sizes=(500, 501))
+    return make_datasets(module_tmp_factory.mktemp("kjv"), sizes=(500, 501))
 
 
 def test_a_split_part_without_documents_is_refused_before_any_work(kjv_prefixes, tmp_path):

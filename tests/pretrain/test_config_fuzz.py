@@ -13,8 +13,8 @@ QUICK_CASES = 6
 
 
 @pytest.fixture(scope="module")
-def datasets(tmp_path_factory):
-    return make_datasets(tmp_path_factory.mktemp("fuzz-data"))
+def datasets(module_tmp_factory):
+    return make_datasets(module_tmp_factory.mktemp("fuzz-data"))
 
 
 def test_dry_run_verdicts_hold(request, datasets, tmp_path):

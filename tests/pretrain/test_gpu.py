@@ -110,10 +110,10 @@ def test_te_packed_document_masking_matches_portable(tmp_path, dtype, first, eve
 
 
 @pytest.fixture(scope="module")
-def bf16_reference(tmp_path_factory):
+def bf16_reference(module_tmp_factory):
     if not FACTS.has_te:
         pytest.skip("needs Transformer Engine: pip install '.[gpu]'")
-    return _losses(tmp_path_factory.mktemp("bf16"), "bf16", FP8_MODEL + ["runtime.dtype=bf16", "runtime.spec=te"],
+    return _losses(module_tmp_factory.mktemp("bf16"), "bf16", FP8_MODEL + ["runtime.dtype=bf16", "runtime.spec=te"],
                    steps=20)
 
 

@@ -37,8 +37,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("observed")
+def observed(module_tmp_factory):
+    root = module_tmp_factory.mktemp("observed")
     common = BASE + [
         f"tracking.mlflow_tracking_uri=sqlite:///{root}/mlflow.db", "tracking.mlflow=true",
         "tracking.wandb=true", "tracking.wandb_mode=offline", "tracking.project=observe-test",

@@ -34,8 +34,8 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    run_dir = tmp_path_factory.mktemp("ref")
+def reference(module_tmp_factory) -> list[float]:
+    run_dir = module_tmp_factory.mktemp("ref")
     losses = logged_losses(run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama",
                                      overrides=BASE + [f"logging.run_dir={run_dir}"]))
     assert len(losses) == STEPS

@@ -56,8 +56,8 @@ def _run(root, tag: str, nproc: int, extra: list[str], **kwargs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    ref = _run(tmp_path_factory.mktemp("qwen3-ref"), "ref", 1, [])
+def reference(module_tmp_factory) -> dict:
+    ref = _run(module_tmp_factory.mktemp("qwen3-ref"), "ref", 1, [])
     assert len(ref["loss"]) == STEPS and ref["loss"][-1] < ref["loss"][0], "the run must train"
     q_norm = ref["weights"]["decoder.layers.self_attention.q_layernorm.weight"]
     assert q_norm.shape == (4, 32), "q/k norms: one head_dim-sized weight per layer"

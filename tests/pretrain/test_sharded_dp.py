@@ -139,8 +139,8 @@ class _Runs(dict):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    return _Runs(tmp_path_factory.mktemp("sharded"))
+def runs(module_tmp_factory) -> dict:
+    return _Runs(module_tmp_factory.mktemp("sharded"))
 
 
 def _tensors(checkpoint, prefix=""):

@@ -71,8 +71,8 @@ def test_sequence_parallel_matches_tp2_and_keeps_norms_identical(tmp_path):
 # --- context parallelism --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def dense_reference(tmp_path_factory) -> list[float]:
-    losses = logged_losses(_run(1, "tiny-llama", SEQ128, tmp_path_factory.mktemp("cp1")))
+def dense_reference(module_tmp_factory) -> list[float]:
+    losses = logged_losses(_run(1, "tiny-llama", SEQ128, module_tmp_factory.mktemp("cp1")))
     assert len(losses) == STEPS and min(losses) < losses[0] - 0.1, "the run must train"
     return losses
 
@@ -117,8 +117,8 @@ def test_gpt_layernorm_learned_positions_cp2_tp2_sp(tmp_path):
 # --- mixture of experts / expert parallelism -----------------------------------------------
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory) -> dict:
-    ref = _log_rank(_run(1, "tiny-moe", MOE, tmp_path_factory.mktemp("ep1")))
+def moe_reference(module_tmp_factory) -> dict:
+    ref = _log_rank(_run(1, "tiny-moe", MOE, module_tmp_factory.mktemp("ep1")))
     assert ref["losses"][-1] < ref["losses"][0]
     return ref
 
