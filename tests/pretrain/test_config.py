@@ -85,7 +85,7 @@ def test_rope_needs_an_even_head_dimension():
 
 @pytest.mark.parametrize("recipe, overrides, world, message", [
     # Megatron-Core assertions at model build (transformer_config.py, moe/shared_experts.py).
-    ("tiny-moe", ["model.moe_router_topk=1"], 1, "moe_router_topk=1 is not supported"),
+    ("tiny-moe", ["model.moe_router_topk=1"], 1, "moe_router_topk=1 needs moe_router_pre_softmax=true"),
     ("tiny-moe", ["model.moe_shared_expert_hidden_size=128", "model.add_bias_linear=true"], 1,
      "moe_shared_expert_hidden_size needs add_bias_linear=false"),
     ("tiny-moe", ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "model.add_bias_linear=true"], 2,
