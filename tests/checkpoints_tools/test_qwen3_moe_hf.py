@@ -112,3 +112,29 @@ def test_refusals(hf_models, trained, tmp_path, capsys):
     code, err = run_main(export_hf, [run.latest, tmp_path / "dense", "--architecture", "Qwen3ForCausalLM",
                                      "--no-tokenizer"], capsys)
     assert code == 2 and "cannot hold this model" in err and "Qwen3MoeForCausalLM" in err, err
+
+
+@pytest.mark.distributed
+def test_verify_passes_export_and_catches_swapped_experts(trained, tmp_path):
+    """checkpoints_tools.verify on the export of our trained tiny-qwen3-moe passes; the same export
+    with two experts' gate projections swapped in one layer, or one expert's gate and up, fails."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    run = trained["qwen3-moe"]
+    dirs = {name: tmp_path / name for name in ("good", "experts", "gate_up")}
+    for out in dirs.values():
+        export_hf.export_hf(run.latest, out, with_tokenizer=False)
+    swaps = {"experts": ("model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.experts.5.gate_proj.weight"),
+             "gate_up": ("model.layers.2.mlp.experts.3.gate_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight")}
+    for name, (a, b) in swaps.items():
+        shard = next(dirs[name].glob("*.safetensors"))
+        with safe_open(str(shard), "pt") as f:
+            weights = {n: f.get_tensor(n) for n in f.keys()}
+        weights[a], weights[b] = weights[b], weights[a]
+        save_file(weights, str(shard), metadata={"format": "pt"})
+    pairs = [[str(run.latest), str(path)] for path in dirs.values()]
+    good, *bad = run_ranks(1, "tests.checkpoints_tools.workers:verify_imports", pairs=pairs)[0]
+    assert good["passed"] and good["max_abs_diff"] <= 1e-4 and good["greedy_agreement"] == 1.0, good
+    for name, report in zip(swaps, bad, strict=True):
+        assert not report["passed"] and report["max_abs_diff"] > 1e-3, (name, report)
