@@ -6,7 +6,9 @@ batch, fp32, at test_parity.py's lr: per-step loss, grad norm and MoE aux loss w
 relative for 5 steps, and every final weight (read from the checkpoints the runs write: global
 tensors, all experts, whatever the layout) within 1e-5 absolute. EP2 puts 4 whole experts on
 each rank (tokens exchanged by the all-to-all dispatcher); TP2 + SP splits every expert's 64
-columns over the two ranks (expert TP = TP) and the q/k norms' gradients are summed over TP.
+columns over the two ranks (expert TP = TP) and the q/k norms' gradients are summed over TP;
+PP2 x VPP2 gives each of the 4 chunks one layer (the aux loss summed over stages); ZeRO-3 DP2
+shards every expert over expert-DP 2 (Megatron-FSDP). All but EP2 are marked slow.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ LAYOUTS = {  # name -> (ranks, overrides)
     "EP2": (2, EP2),
     "TP2-SP": (2, TP2_SP),
     "EP2xTP2-SP": (4, EP2 + TP2_SP),
+    "PP2xVPP2": (2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"]),  # one layer per chunk
+    "DP2-ZeRO3": (2, ["parallel.sharding=zero3"]),  # Megatron-FSDP: experts sharded over expert-DP 2
 }
 OPTIMIZER_PREFIXES = ("optimizer.", "chained_")
 EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
@@ -64,7 +68,7 @@ def reference(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", ["EP2"] + [pytest.param(n, marks=pytest.mark.slow)
-                                           for n in ("TP2-SP", "EP2xTP2-SP")])
+                                           for n in ("TP2-SP", "EP2xTP2-SP", "PP2xVPP2", "DP2-ZeRO3")])
 def test_qwen3_moe_layout_matches_one_rank(reference, tmp_path, name):
     nproc, extra = LAYOUTS[name]
     got = _run(tmp_path, name, nproc, extra)
