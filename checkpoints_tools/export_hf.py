@@ -8,7 +8,7 @@
 
 Writes config.json (LlamaForCausalLM, MistralForCausalLM with --architecture,
 MixtralForCausalLM for MoE models, Qwen3ForCausalLM for models with q/k norms such as
-tiny-qwen3, or GPT2LMHeadModel for LayerNorm + GELU + learned-position models such as tiny-gpt), generation_config.json, safetensors shards with
+tiny-qwen3, Qwen3MoeForCausalLM for q/k norms with experts such as tiny-qwen3-moe, or GPT2LMHeadModel for LayerNorm + GELU + learned-position models such as tiny-gpt), generation_config.json, safetensors shards with
 model.safetensors.index.json, and the tokenizer files (SentencePiece: tokenizer.model, its
 tokenizer.json conversion and config; or tokenizer.json) with the BOS/EOS ids in both
 configs. Padded vocab rows are dropped; with tied embeddings there is no lm_head
@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_arguments(parser, dtype_help="weight dtype (default: the checkpoint's)")
     add_input_arguments(parser)
     parser.add_argument("--architecture", choices=list(EXPORT_ARCHITECTURES),
-                        help="HF class (default: Llama for dense, Mixtral for MoE, Qwen3 with q/k norms, GPT-2 "
+                        help="HF class (default: Llama for dense, Mixtral for MoE, Qwen3 with q/k norms, Qwen3-MoE with "
+                             "q/k norms and experts, GPT-2 "
                              "for LayerNorm/GELU/learned-position models)")
     parser.add_argument("--tokenizer", type=Path, help="SentencePiece .model, tokenizer.json, or a directory")
     parser.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")

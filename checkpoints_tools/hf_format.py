@@ -19,9 +19,10 @@ from models.config import ModelConfig
 from checkpoints_tools.mapping import hf_family
 
 # architecture class -> model_type; Mistral = Llama with a (here: absent) sliding window;
-# Qwen3 = Llama + q/k RMSNorm (dense; Qwen3-MoE not yet).
+# Qwen3 = Llama + q/k RMSNorm; Qwen3-MoE = Qwen3 + fine-grained routed experts.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Export only (import reads the Llama family): GPT-2 for LayerNorm + GELU + learned-position models.
 EXPORT_ARCHITECTURES = {**ARCHITECTURES, "GPT2LMHeadModel": "gpt2"}
 HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -41,7 +42,8 @@ class HFConfigError(ValueError):
 
 # mapping.hf_family -> the architectures that can hold it.
 FAMILY_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
-                        "qwen3": ("Qwen3ForCausalLM",), "gpt2": ("GPT2LMHeadModel",)}
+                        "qwen3": ("Qwen3ForCausalLM",), "qwen3_moe": ("Qwen3MoeForCausalLM",),
+                        "gpt2": ("GPT2LMHeadModel",)}
 
 
 def default_architecture(model: ModelConfig) -> str:
@@ -112,6 +114,17 @@ def _llama_config(model: ModelConfig) -> dict:
     }
 
 
+def _qwen3_moe_config(model: ModelConfig) -> dict:
+    """Qwen3MoeConfig's expert fields. Every layer routed (decoder_sparse_step 1, no
+    mlp_only_layers); intermediate_size is the dense MLP width HF would use for mlp_only_layers
+    (our ffn_hidden_size, unused), moe_intermediate_size each expert's. `num_experts` as the
+    published config.json spells it (transformers 5 itself writes num_local_experts, its alias)."""
+    return {"intermediate_size": model.ffn_hidden_size, "moe_intermediate_size": model.expert_ffn_hidden_size,
+            "num_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
+            "norm_topk_prob": not model.moe_router_pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": model.moe_aux_loss_coeff, "output_router_logits": False}
+
+
 def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
                  bos_id: Optional[int], eos_id: Optional[int]) -> dict:
     family = hf_family(model)
@@ -120,7 +133,7 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
     if architecture not in FAMILY_ARCHITECTURES[family]:
         raise HFConfigError(f"{architecture} cannot hold this model (LayerNorm/GELU/learned positions: "
                             f"{family == 'gpt2'}; q/k norms: {model.qk_layernorm}); use {default_architecture(model)}")
-    if model.is_moe != (architecture == "MixtralForCausalLM"):
+    if model.is_moe != (architecture in MOE_ARCHITECTURES):
         kind = "a mixture-of-experts" if model.is_moe else "a dense"
         raise HFConfigError(f"{architecture} cannot hold {kind} model; use "
                             f"{default_architecture(model)}" + ("" if model.is_moe else " or MistralForCausalLM"))
@@ -139,12 +152,14 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
     }
     if architecture == "LlamaForCausalLM":
         config.update(mlp_bias=False, pretraining_tp=1)
-    elif family == "qwen3":
+    elif family.startswith("qwen3"):
         # Full attention in every layer (Qwen3Config's sliding window is off unless asked for).
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers)
     elif family == "llama":
         config["sliding_window"] = None
-    if model.is_moe:
+    if family == "qwen3_moe":
+        config.update(_qwen3_moe_config(model))
+    elif model.is_moe:
         config.update(num_local_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk,
                       router_aux_loss_coef=model.moe_aux_loss_coeff, output_router_logits=False,
                       router_jitter_noise=0.0)
@@ -192,7 +207,7 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         raise HFConfigError(f"config.json of {arch} uses features we cannot reproduce: " + "; ".join(problems))
     heads, hidden = _int(config, "num_attention_heads"), _int(config, "hidden_size")
     head_dim = _int(config, "head_dim", None) or hidden // max(heads, 1)
-    moe = arch == "MixtralForCausalLM"
+    moe = arch in MOE_ARCHITECTURES
     kwargs = dict(
         num_layers=_int(config, "num_hidden_layers"), hidden_size=hidden,
         ffn_hidden_size=_int(config, "intermediate_size"), num_attention_heads=heads,
@@ -202,9 +217,11 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         max_seq_length=_int(config, "max_position_embeddings", 4096),
         norm_eps=_float(config, "rms_norm_eps", 1e-6), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         **_rope(config), init_std=_float(config, "initializer_range", 0.02),
-        qk_layernorm=arch == "Qwen3ForCausalLM",
+        qk_layernorm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     )
-    if moe:
+    if arch == "Qwen3MoeForCausalLM":
+        kwargs.update(_qwen3_moe_fields(config))
+    elif moe:
         kwargs.update(num_experts=_int(config, "num_local_experts"), moe_router_topk=_int(config, "num_experts_per_tok", 2),
                       moe_aux_loss_coeff=_float(config, "router_aux_loss_coef", 0.01))
     try:
@@ -214,6 +231,22 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
         where = ".".join(str(p) for p in first["loc"])
         raise HFConfigError(f"config.json does not describe a consistent model: {where}: {first['msg']} "
                             f"(got {first.get('input')!r})") from None
+
+
+def _qwen3_moe_fields(config: dict) -> dict:
+    """Our MoE fields for a Qwen3MoeConfig; HFConfigError for dense layers among the routed ones."""
+    dense_layers = config.get("mlp_only_layers") or []
+    step = _int(config, "decoder_sparse_step", 1)
+    if dense_layers or step != 1:
+        raise HFConfigError(f"config.json of Qwen3MoeForCausalLM has dense MLP layers (mlp_only_layers="
+                            f"{dense_layers}, decoder_sparse_step={step}); we build every layer with experts")
+    norm = config.get("norm_topk_prob", False)  # Qwen3MoeConfig's default
+    if not isinstance(norm, bool):
+        raise HFConfigError(f"config.json: norm_topk_prob must be true or false, got {norm!r}")
+    experts = _int(config, "num_experts", None) or _int(config, "num_local_experts")
+    return dict(num_experts=experts, moe_router_topk=_int(config, "num_experts_per_tok", 8),
+                moe_ffn_hidden_size=_int(config, "moe_intermediate_size"), moe_router_pre_softmax=not norm,
+                moe_aux_loss_coeff=_float(config, "router_aux_loss_coef", 0.001))
 
 
 _REQUIRED = object()

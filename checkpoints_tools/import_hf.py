@@ -1,4 +1,4 @@
-"""Import a Hugging Face Llama / Mistral / Mixtral / Qwen3 (dense) directory as a training checkpoint.
+"""Import a Hugging Face Llama / Mistral / Mixtral / Qwen3 / Qwen3-MoE directory as a training checkpoint.
 
     # Llama safetensors -> our checkpoint cut for TP2 x PP2, to continue pretraining:
     python -m checkpoints_tools.import_hf /models/llama-hf runs/cont/imported --tp 2 --pp 2
@@ -6,7 +6,7 @@
         checkpoint.resume=runs/cont/imported checkpoint.dir=runs/cont/checkpoints data.blend='[[1.0, data/web]]'
 
 The model config comes from config.json (architecture, GQA, head_dim, RoPE theta and Llama-3
-scaling, tied embeddings, experts, Qwen3's q/k norms); the written config.yaml holds it, so passing it with
+scaling, tied embeddings, experts and their top-k weighting, Qwen3's q/k norms); the written config.yaml holds it, so passing it with
 --config makes the training config match the checkpoint. Weights are read from
 safetensors one tensor at a time (pickled `*.bin` weights are refused unless
 --trust-pickle), every expected tensor is checked against config.json's shapes, and

@@ -18,6 +18,12 @@ on the same weights, tests/checkpoints_tools/test_export_hf.py):
   - Qwen3 (Qwen3ForCausalLM): Llama's names + self_attn.q_norm / k_norm = Megatron's
     q_layernorm / k_layernorm, [head_dim] each, applied per head before RoPE on both sides;
     head_dim is config.json's own field (it need not be hidden / heads).
+  - Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention + mlp.gate = the router [experts, hidden]
+    and per-expert mlp.experts.#.gate_proj / up_proj / down_proj (the names of the published
+    safetensors; transformers 5 fuses them into 3-D gate_up_proj / down_proj parameters when it
+    loads, and writes them back per expert when it saves). The top-k weights: HF's
+    norm_topk_prob=true (softmax, top-k, renormalise) = Megatron-Core's default top-k-then-softmax
+    (moe_router_pre_softmax=false); norm_topk_prob=false = moe_router_pre_softmax=true.
 """
 
 from __future__ import annotations
@@ -78,6 +84,13 @@ _MOE_RULES = (
     Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight",
          ("model.layers.*.block_sparse_moe.experts.#.w2.weight",)),
 )
+# Qwen3-MoE: the router is mlp.gate; experts are Llama-style MLPs (gate/up/down) under mlp.experts.#.
+_QWEN3_MOE_RULES = (
+    Rule("decoder.layers.mlp.router.weight", ("model.layers.*.mlp.gate.weight",)),
+    Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
+         ("model.layers.*.mlp.experts.#.gate_proj.weight", "model.layers.*.mlp.experts.#.up_proj.weight"), "gate_up"),
+    Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", ("model.layers.*.mlp.experts.#.down_proj.weight",)),
+)
 
 _GPT2_RULES = (
     Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",), "vocab"),
@@ -129,7 +142,7 @@ def rules_for(model: ModelConfig) -> list[Rule]:
     if hf_family(model) == "gpt2":
         rules = list(_GPT2_RULES)
     else:
-        mlp = _MOE_RULES if model.is_moe else _DENSE_MLP_RULES
+        mlp = (_QWEN3_MOE_RULES if model.qk_layernorm else _MOE_RULES) if model.is_moe else _DENSE_MLP_RULES
         qk = _QK_NORM_RULES if model.qk_layernorm else ()
         rules = [_GLOBAL_RULES[0], *_ATTENTION_RULES, *qk, *mlp, _GLOBAL_RULES[1]]
     if not model.tie_embeddings:
@@ -148,17 +161,16 @@ def _llama_problems(model: ModelConfig) -> list[str]:
     if model.add_bias_linear or model.add_qkv_bias:
         problems.append("linear biases (add_bias_linear / add_qkv_bias)")
     if model.moe_shared_expert_hidden_size:
-        problems.append("a shared expert (moe_shared_expert_hidden_size; Mixtral has none)")
+        problems.append("a shared expert (moe_shared_expert_hidden_size; Mixtral and Qwen3-MoE have none)")
     return problems
 
 
 def _qwen3_problems(model: ModelConfig) -> list[str]:
-    """Qwen3 = the Llama family's parts + q/k RMSNorm; dense only here (Qwen3-MoE: not yet)."""
+    """Qwen3 / Qwen3-MoE = the Llama family's parts + q/k RMSNorm (+ routed experts, either top-k
+    weighting: norm_topk_prob)."""
     problems = _llama_problems(model)
     if not model.qk_layernorm:
         problems.append("no q/k norms (Qwen3 has qk_layernorm)")
-    if model.is_moe:
-        problems.append("experts (Qwen3-MoE export is not implemented; Qwen3ForCausalLM is dense)")
     return problems
 
 
@@ -183,15 +195,20 @@ def _gpt2_problems(model: ModelConfig) -> list[str]:
 
 def hf_family(model: ModelConfig) -> str:
     """'llama' (Llama/Mistral/Mixtral: RMSNorm, SwiGLU, RoPE, no biases), 'qwen3' (the same +
-    q/k RMSNorm, dense) or 'gpt2' (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases,
-    MHA); a ValueError naming the fields when none can express the model."""
+    q/k RMSNorm, dense), 'qwen3_moe' (Qwen3 + routed experts, no shared expert) or 'gpt2'
+    (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases, MHA); a ValueError naming the
+    fields when none can express the model."""
     if model.qk_layernorm:
         qwen3 = _qwen3_problems(model)
         if not qwen3:
-            return "qwen3"
+            return "qwen3_moe" if model.is_moe else "qwen3"
         raise ValueError("this model has q/k norms but no Qwen3 equivalent: " + "; ".join(qwen3) + ". Export/import "
-                         "supports q/k norms as Qwen3ForCausalLM: RMSNorm + SwiGLU + RoPE, no biases, dense")
+                         "supports q/k norms as Qwen3ForCausalLM / Qwen3MoeForCausalLM: RMSNorm + SwiGLU + RoPE, no "
+                         "biases, no shared expert")
     llama, gpt2 = _llama_problems(model), _gpt2_problems(model)
+    if model.moe_router_pre_softmax:
+        # Mixtral always renormalises its top-k weights (no norm_topk_prob switch).
+        llama.append("moe_router_pre_softmax=true (Mixtral renormalises the top-k weights)")
     if not llama:
         return "llama"
     if not gpt2:

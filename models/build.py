@@ -162,6 +162,7 @@ def _moe_kwargs(model: ModelConfig, layout: ParallelLayout, spec: str, grouped_g
     return dict(
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_router_topk,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
         moe_ffn_hidden_size=model.expert_ffn_hidden_size,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_hidden_size,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,

@@ -66,6 +66,12 @@ class ModelConfig(BaseModel):
     num_experts: Optional[int] = Field(default=None, gt=0)
     moe_router_topk: int = Field(default=2, gt=0)
     moe_ffn_hidden_size: Optional[int] = Field(default=None, gt=0)
+    # How the top-k experts' weights are computed (Megatron-Core's moe_router_pre_softmax).
+    # False: the top-k logits, then a softmax over those k, so the k weights sum to 1; this equals
+    # a softmax over all experts renormalised over the top k (HF's norm_topk_prob=true:
+    # Mixtral, Qwen3-30B-A3B). True: a softmax over all experts, then the top k, weights kept
+    # as they are (HF's norm_topk_prob=false); the only form that gives top-1 a gradient.
+    moe_router_pre_softmax: bool = False
     moe_shared_expert_hidden_size: Optional[int] = Field(default=None, gt=0)
     # Load-balancing (Switch) aux loss weight; 0 turns it off. Logged as `moe_aux_loss`.
     moe_aux_loss_coeff: float = Field(default=1e-2, ge=0)
@@ -116,12 +122,12 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
             )
-        if self.num_experts is not None and self.moe_router_topk == 1:
-            # Megatron-Core 0.16.1 accepts top-1 only with a softmax before the top-k
-            # (transformer_config.py, "Please use --moe-router-pre-softmax when topk is 1"), which
-            # weights each token by its router probability, unlike HF Mixtral's renormalised top-k.
-            raise ValueError(f"moe_router_topk=1 is not supported (Megatron-Core needs a pre-softmax router "
-                             f"for it, which HF's Mixtral does not compute); use 2..{self.num_experts}")
+        if self.num_experts is not None and self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            # Megatron-Core accepts top-1 only with a softmax before the top-k (transformer_config.py,
+            # "Please use --moe-router-pre-softmax when topk is 1"): a softmax over one logit is 1
+            # and gives the router no gradient.
+            raise ValueError(f"moe_router_topk=1 needs moe_router_pre_softmax=true (a softmax over one expert is "
+                             f"constant: the router would never learn); or use top-k 2..{self.num_experts}")
         if self.num_experts is not None and self.moe_shared_expert_hidden_size and self.add_bias_linear:
             # megatron/core/transformer/moe/shared_experts.py: "bias is not supported in the shared experts".
             raise ValueError("moe_shared_expert_hidden_size needs add_bias_linear=false (Megatron-Core's shared "
@@ -131,6 +137,8 @@ class ModelConfig(BaseModel):
                     "moe_capacity_factor": self.moe_capacity_factor,
                     "moe_z_loss_coeff": self.moe_z_loss_coeff}
         set_without_experts = [k for k, v in moe_only.items() if v is not None]
+        if self.moe_router_pre_softmax:
+            set_without_experts.append("moe_router_pre_softmax")
         if self.num_experts is None and set_without_experts:
             raise ValueError(f"{', '.join(set_without_experts)} need(s) a MoE model; set num_experts")
         if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
@@ -195,6 +203,23 @@ _QWEN3_8B = ModelConfig(
 # attention is 256 wide on a 128-wide residual), GQA 8 heads / 2 groups, Qwen3's eps and theta.
 _TINY_QWEN3 = _TINY_LLAMA.model_copy(update=dict(kv_channels=32, qk_layernorm=True, norm_eps=1e-6,
                                                  rope_base=1000000.0))
+# Qwen3-30B-A3B: the published config.json of Qwen/Qwen3-30B-A3B (48 layers, hidden 2048, 32 heads,
+# 4 KV heads, head_dim 128 (attention 4096 wide on a 2048 residual), 128 experts of 768, top-8
+# renormalised (norm_topk_prob true), no shared expert, every layer MoE (decoder_sparse_step 1,
+# mlp_only_layers []), router_aux_loss_coef 0.001, vocab 151936, rope_theta 1e6, rms_norm_eps
+# 1e-6, max_position_embeddings 40960, untied). intermediate_size 6144 is the dense MLP width
+# HF keeps for mlp_only_layers (none here): ffn_hidden_size holds it, unused by the model.
+_QWEN3_30B_A3B = _QWEN3_8B.model_copy(update=dict(
+    num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
+    kv_channels=128, max_seq_length=40960, num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+    moe_aux_loss_coeff=1e-3,
+))
+# tiny-qwen3's attention (q/k norms, head_dim 32 != 128 / 8) with Qwen3-MoE's fine-grained experts:
+# 8 experts of 64 (a quarter of a dense 256-wide MLP each), top-4 renormalised, no shared expert.
+# EP 1, 2, 4 and 8 all hold whole experts.
+_TINY_QWEN3_MOE = _TINY_QWEN3.model_copy(update=dict(
+    num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-3,
+))
 # 4 experts, top-2: EP 1, 2 and 4 all hold whole experts.
 _TINY_MOE = _TINY_LLAMA.model_copy(update=dict(num_experts=4, moe_router_topk=2, ffn_hidden_size=256))
 
@@ -219,8 +244,10 @@ FLAVORS: dict[str, ModelConfig] = {
                     rope_base=1000000.0, num_experts=8, moe_router_topk=2)
     ),
     "qwen3-8b": _QWEN3_8B,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "tiny-llama": _TINY_LLAMA,
     "tiny-qwen3": _TINY_QWEN3,
+    "tiny-qwen3-moe": _TINY_QWEN3_MOE,
     # 8 layers so PP2 x VPP2 and PP4 x VPP2 both have whole layers per stage.
     "tiny-llama-8l": _TINY_LLAMA.model_copy(update=dict(num_layers=8)),
     "tiny-llama-tied": _TINY_LLAMA.model_copy(update=dict(tie_embeddings=True)),

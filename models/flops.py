@@ -81,6 +81,16 @@ def total_params(m: ModelConfig) -> int:
     return embedding_params(m) + m.num_layers * layer_params(m) + output_params(m)
 
 
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token goes through: total_params less the routed experts it skips
+    (E - k per layer); the "activated" count of MoE model cards. The router, shared expert,
+    embedding and output layer all count. Equals total_params for a dense model."""
+    if not m.is_moe:
+        return total_params(m)
+    skipped = m.num_experts - m.moe_router_topk
+    return total_params(m) - m.num_layers * skipped * mlp_params(m, m.expert_ffn_hidden_size)
+
+
 def document_attention_fraction(document_lengths, seq_length: int) -> float:
     """The share of a sample's causal attention work (scores and weighted values) that runs
     when attention stays inside each document (data.reset_attention_mask): a document of L

@@ -11,6 +11,8 @@ export / reshard / verify result is compared with.
           TP 1, 2 steps.
   qwen3:  the tiny-qwen3 flavor (q/k RMSNorm, head_dim 32 with hidden 128 and 8 heads, GQA 8 / 2),
           TP2 (+SP) x PP2, 2 steps.
+  qwen3-moe: the tiny-qwen3-moe flavor (tiny-qwen3's attention, 8 experts of 64, top-4
+          renormalised), TP2 (+SP) x EP2 with expert TP 2 (each expert's columns split), 2 steps.
 The vllm-* models are what vLLM is tested on (tests/checkpoints_tools/test_verify_vllm.py):
 30 steps on the demo corpus (real text; exports ship its SentencePiece tokenizer), so the
 top tokens are clear, and head_dim 32 (4 heads), which vLLM's CPU attention serves:
@@ -50,6 +52,9 @@ MODELS = {  # name -> (recipe, overrides)
                          "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"]),
     # q/k norms, head_dim 32 != hidden / heads = 16: exports as Qwen3ForCausalLM.
     "qwen3": ("tiny-qwen3", TP2PP2 + ["schedule.train_steps=2", "parallel.sequence_parallel=true"]),
+    # Exports as Qwen3MoeForCausalLM.
+    "qwen3-moe": ("tiny-qwen3-moe", ["schedule.train_steps=2", "parallel.tensor_parallel=2",
+                                     "parallel.sequence_parallel=true", "parallel.expert_parallel=2"]),
 }
 # head_dim 32 and a few dozen steps on real text (see the module docstring).
 VLLM = ["data.demo=true", "data.mock=false", "schedule.train_steps=30", "model.num_attention_heads=4"]
@@ -109,7 +114,7 @@ def _save_hf(path: Path, kind: str) -> Path:
     import transformers
 
     torch.manual_seed({"llama": 1, "llama-tied": 2, "mistral": 3, "mixtral": 4, "llama-rope": 5, "qwen3": 6,
-                       "qwen3-tied": 7}[kind])
+                       "qwen3-tied": 7, "qwen3-moe": 8, "qwen3-moe-unnormalised": 9}[kind])
     common = dict(vocab_size=4000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                   rope_theta=50000.0, initializer_range=0.1)  # larger weights: logits react to RoPE
@@ -126,6 +131,12 @@ def _save_hf(path: Path, kind: str) -> Path:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
             **common, "num_attention_heads": 2, "num_key_value_heads": 2}, rope_scaling={
             "rope_type": "llama3", **LLAMA3_OTHER_VALUES}))
+    elif kind.startswith("qwen3-moe"):  # Qwen3's attention + 8 experts of 32, top-2 (renormalised or not)
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **{**common, "rms_norm_eps": 1e-6}, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=kind == "qwen3-moe"))
+        _randomize_norms(model)
+        _randomize_experts(model)
     elif kind.startswith("qwen3"):  # head_dim 32 != hidden 64 / 4 heads; Qwen3's eps
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
             **{**common, "rms_norm_eps": 1e-6}, head_dim=32, tie_word_embeddings=kind == "qwen3-tied"))
@@ -149,8 +160,19 @@ def _randomize_norms(model) -> None:
                 param.copy_(1.0 + 0.5 * torch.randn_like(param))
 
 
+def _randomize_experts(model) -> None:
+    """Router and expert weights at initializer_range (transformers 5 leaves the router at zero and
+    the fused experts at its own init): every token must pick distinct experts with distinct
+    weights, so a swapped expert, router row or gate/up half changes the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name:
+                param.copy_(0.1 * torch.randn_like(param))
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("hf")
-    kinds = ("llama", "llama-tied", "mistral", "mixtral", "llama-rope", "qwen3", "qwen3-tied")
+    kinds = ("llama", "llama-tied", "mistral", "mixtral", "llama-rope", "qwen3", "qwen3-tied", "qwen3-moe",
+             "qwen3-moe-unnormalised")
     return {kind: _save_hf(base / kind, kind) for kind in kinds}

@@ -43,13 +43,14 @@ def hf_logits(out, vocab_size: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name, architecture", [
     ("untied", None), ("untied", "MistralForCausalLM"), ("tied", None), ("moe", None), ("qwen3", None),
+    ("qwen3-moe", None),
 ])
 def test_transformers_loads_export_and_logits_match(trained, tmp_path, name, architecture):
     run = trained[name]
     out = tmp_path / "hf"
     summary = export_hf(run.latest, out, architecture=architecture, tokenizer=SP_MODEL)
     config = json.loads((out / "config.json").read_text())
-    defaults = {"moe": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    defaults = {"moe": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM"}
     expected_arch = architecture or defaults.get(name, "LlamaForCausalLM")
     assert config["architectures"] == [expected_arch] == [summary["architecture"]]
     tensors = read_export(out)
@@ -63,6 +64,13 @@ def test_transformers_loads_export_and_logits_match(trained, tmp_path, name, arc
             "model.layers.3.self_attn.k_norm.weight"].shape
         assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (256, 128) and config["head_dim"] == 32
         assert config["model_type"] == "qwen3" and config["use_sliding_window"] is False
+    if name == "qwen3-moe":  # 8 experts of 64 per layer under HF's per-expert names; router = mlp.gate
+        assert sum(n.endswith(".gate_proj.weight") for n in tensors) == 4 * 8
+        assert tensors["model.layers.3.mlp.experts.7.gate_proj.weight"].shape == (64, 128)
+        assert tensors["model.layers.3.mlp.experts.7.down_proj.weight"].shape == (128, 64)
+        assert tensors["model.layers.3.mlp.gate.weight"].shape == (8, 128)
+        assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"],
+                config["moe_intermediate_size"]) == ("qwen3_moe", 8, 4, True, 64)
     logits = hf_logits(out, 4000)
     diff = (logits - run.logits[..., :4000]).abs().max().item()
     print(f"\n{name}/{expected_arch}: max |logit difference| {diff:.1e}")

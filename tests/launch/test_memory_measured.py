@@ -38,6 +38,8 @@ STATIC = {  # world size -> (flavor, overrides)
         ("tiny-gpt", ["parallel.pipeline_parallel=2", BF16]),  # tied embedding copy on the last stage
         ("tiny-gpt", [TP2, BF16, NO_DISTOPT]),  # replicated row-parallel biases
         ("tiny-moe", ["parallel.expert_parallel=2", BF16]),  # experts split by EP, not sharded by DP
+        # Qwen3-MoE: fine-grained experts (moe_ffn_hidden_size != ffn_hidden_size), q/k norms, head_dim != h / n.
+        ("tiny-qwen3-moe", ["parallel.expert_parallel=2", BF16]),
         ("tiny-llama", [ZERO2, FP32]),  # Megatron-FSDP: gradients sharded, padded buckets
         ("tiny-llama", [ZERO3, BF16]),  # + parameters sharded, fp32 main weights
     ],
@@ -48,6 +50,7 @@ STATIC = {  # world size -> (flavor, overrides)
         ("tiny-llama", [ZERO3, TP2, SP, BF16]),  # ZeRO-3 over DP2 inside TP2
         ("tiny-llama", [ZERO3, "parallel.hsdp_replicas=2", FP32]),  # HSDP: shard over 2, replicate over 2
         ("tiny-moe", [ZERO3, "parallel.expert_parallel=2", BF16]),  # experts sharded over expert-DP
+        ("tiny-qwen3-moe", [TP2, SP, "parallel.expert_parallel=2", BF16]),  # TP2 x DP2, experts EP2 x expert-TP2
     ],
 }
 ACT_COMMON = ["schedule.seq_length=256", "schedule.micro_batch_size=2", "schedule.global_batch_size=4", FP32]

@@ -209,3 +209,18 @@ def test_document_masking_plans_faster_steps_and_no_layout_the_te_spec_refuses()
     faster = [(by_layout[e.candidate.describe()], e.estimate.step_s) for e in docs.ranked
               if e.candidate.describe() in by_layout]
     assert faster and all(d < s for s, d in faster), faster
+
+
+def test_qwen3_30b_a3b_plan_validates_and_its_recipe_layout_fits():
+    """Issue 45: `launch.plan --recipe qwen3-30b-a3b --gpus 16`: the ranked layouts pass the
+    training's own validation at world size 16, and the recipe's PP2 x EP8 layout fits an H100."""
+    recipe = get_recipe("qwen3-30b-a3b")
+    space = SearchSpace(micro_batch=(1,), recompute=("selective",))
+    p = plan(recipe, world_size=16, device=H100, space=space)
+    assert p.ranked and any(e.candidate.layout.expert_parallel > 1 for e in p.ranked + p.dropped)
+    for e in p.ranked[:5]:
+        validate_for_world(e.candidate.apply_to(recipe), 16)
+    own = plan(recipe, world_size=16, device=H100, space=dataclasses.replace(
+        space, tp=(1,), pp=(2,), vpp=(1,), cp=(1,), ep=(8,), zero=(1,)))
+    assert [e.candidate.layout.describe(16) for e in own.ranked][:1] == ["TP1xPP2xEP8xDP8"]
+    assert own.ranked[0].memory.total <= H100.memory_bytes

@@ -14,8 +14,8 @@ from tests.distributed import run_module
 
 
 def test_every_recipe_resolves_and_validates_for_its_intended_scale():
-    worlds = {"tiny-llama": 4, "tiny-moe": 4, "tiny-qwen3": 4, "llama3-8b": 8, "qwen3-8b": 8, "llama3-70b": 64,
-              "gpt3-175b": 1024, "mixtral-8x7b": 32}
+    worlds = {"tiny-llama": 4, "tiny-moe": 4, "tiny-qwen3": 4, "tiny-qwen3-moe": 4, "llama3-8b": 8, "qwen3-8b": 8,
+              "qwen3-30b-a3b": 16, "llama3-70b": 64, "gpt3-175b": 1024, "mixtral-8x7b": 32}
     for name in RECIPES:
         config = get_recipe(name)
         validate_for_world(config.model_copy(update={"data": config.data}), worlds[name])
@@ -85,7 +85,7 @@ def test_rope_needs_an_even_head_dimension():
 
 @pytest.mark.parametrize("recipe, overrides, world, message", [
     # Megatron-Core assertions at model build (transformer_config.py, moe/shared_experts.py).
-    ("tiny-moe", ["model.moe_router_topk=1"], 1, "moe_router_topk=1 is not supported"),
+    ("tiny-moe", ["model.moe_router_topk=1"], 1, "moe_router_topk=1 needs moe_router_pre_softmax=true"),
     ("tiny-moe", ["model.moe_shared_expert_hidden_size=128", "model.add_bias_linear=true"], 1,
      "moe_shared_expert_hidden_size needs add_bias_linear=false"),
     ("tiny-moe", ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "model.add_bias_linear=true"], 2,
@@ -169,6 +169,25 @@ def test_qwen3_dry_run_shows_qk_norms_and_head_dim_and_refuses_bad_layouts():
     assert tp4.returncode == 2 and "TP=4 does not divide num_query_groups=2; valid TP: 1, 2" in tp4.stderr
     odd = _cli("--recipe", "tiny-qwen3", "--dry-run", "model.kv_channels=33")
     assert odd.returncode == 2 and "needs an even head dimension" in odd.stderr and "kv_channels = 33" in odd.stderr
+
+
+def test_qwen3_moe_dry_run_shows_the_router_and_refuses_bad_layouts():
+    """Issue 45: Qwen3-30B-A3B's experts, top-k and its renormalised router are printed; an EP that
+    splits the experts, and top-1 without a pre-softmax router, are refused before any process group."""
+    ok = _cli("--recipe", "qwen3-30b-a3b", "--dry-run", "--world-size", "16")
+    assert ok.returncode == 0, ok.stderr
+    for line in ("num_experts: 128", "moe_router_topk: 8", "moe_ffn_hidden_size: 768", "moe_router_pre_softmax: false",
+                 "moe_shared_expert_hidden_size: null", "qk_layernorm: true", "kv_channels: 128"):
+        assert f"  {line}\n" in ok.stdout, line
+    assert "valid for world size 16: " in ok.stdout
+    ep3 = _cli("--recipe", "tiny-qwen3-moe", "--dry-run", "--world-size", "3", "parallel.expert_parallel=3")
+    assert ep3.returncode == 2 and "EP=3 does not divide num_experts=8; valid EP: 1, 2, 4, 8" in ep3.stderr
+    top1 = _cli("--recipe", "tiny-qwen3-moe", "--dry-run", "model.moe_router_topk=1")
+    assert top1.returncode == 2 and "moe_router_topk=1 needs moe_router_pre_softmax=true" in top1.stderr
+    top1_pre = _cli("--recipe", "tiny-qwen3-moe", "--dry-run", "model.moe_router_topk=1", "model.moe_router_pre_softmax=true")
+    assert top1_pre.returncode == 0, top1_pre.stderr
+    dense = _cli("--recipe", "tiny-qwen3", "--dry-run", "model.moe_router_pre_softmax=true")
+    assert dense.returncode == 2 and "moe_router_pre_softmax need(s) a MoE model" in dense.stderr
 
 
 def test_model_flavor_override_replaces_the_model_then_fields_apply(tmp_path):
