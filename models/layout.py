@@ -134,6 +134,14 @@ class ParallelLayout(BaseModel):
         parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
         if self.virtual_pipeline:
             parts.append(f"VPP{self.virtual_pipeline}")
+        counted = [k for k, on in (("emb", self.account_for_embedding_in_pipeline_split),
+                                   ("loss", self.account_for_loss_in_pipeline_split)) if on]
+        if counted:
+            parts.append("+".join(counted) + "-in-PP")  # the embedding / loss take a layer's slot
+        if self.num_layers_in_first_pipeline_stage is not None:
+            parts.append(f"first{self.num_layers_in_first_pipeline_stage}")
+        if self.num_layers_in_last_pipeline_stage is not None:
+            parts.append(f"last{self.num_layers_in_last_pipeline_stage}")
         if self.context_parallel > 1:
             parts.append(f"CP{self.context_parallel}")
         if self.expert_parallel > 1:
