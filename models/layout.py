@@ -246,8 +246,8 @@ def _even_share(total: int, parts: int, what: str, over: str) -> int:
 
 
 def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
-    """What Megatron-FSDP (ZeRO-2/3) is known to run correctly: measured on megatron-core 0.16.1,
-    kept for 0.19.2 until re-measured; the reasons are in pretrain/megatron_fixes/fsdp.py."""
+    """What Megatron-FSDP (ZeRO-2/3) runs correctly on megatron-core 0.19.2 (re-measured; the
+    0.16.1 history is in pretrain/megatron_fixes/fsdp.py)."""
     if layout.hsdp_replicas > 1 and not layout.fsdp:
         raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} needs sharding=zero2 or zero3 (HSDP shards "
                           "inside a replica and replicates across replicas)")
@@ -261,24 +261,16 @@ def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: i
             f"PP{layout.pipeline_parallel}, or fold PP into data parallelism (pipeline_parallel=1) with {name}")
     dp_cp = layout.data_parallel(world_size) * layout.context_parallel
     if dp_cp % layout.hsdp_replicas:
-        valid = [d for d in divisors(dp_cp) if dp_cp // d > 1]
-        choices = f"valid hsdp_replicas: {', '.join(map(str, valid))}" if valid else (
-            "with DP x CP < 2 there is nothing to shard: use sharding=none or zero1 (or more ranks)")
-        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide DP x CP = {dp_cp}; {choices}")
-    if layout.shard_group_size(world_size) < 2:
-        raise LayoutError(
-            f"sharding={name} over a shard group of {layout.shard_group_size(world_size)} rank shards nothing "
-            f"(DP x CP = {dp_cp}, hsdp_replicas={layout.hsdp_replicas}), and Megatron-FSDP 0.16.1 double-counted "
-            "gradients there (not yet re-measured on 0.19); use sharding=none or zero1, or more data-parallel ranks per replica")
-    if model.is_moe and layout.expert_data_parallel(world_size) < 2:
-        raise LayoutError(
-            f"sharding={name} shards the experts over the expert data-parallel group, which has "
-            f"{layout.expert_data_parallel(world_size)} rank here (world {world_size} / expert TP {layout.expert_tp} x "
-            f"EP {layout.expert_parallel} x PP {layout.pipeline_parallel}), and Megatron-FSDP 0.16.1 double-counted "
-            "gradients in a shard group of one rank (not yet re-measured on 0.19); use a smaller expert_parallel or more ranks (expert DP >= 2)")
-    if model.is_moe and layout.hsdp_replicas > 1:
-        raise LayoutError("a MoE model with hsdp_replicas > 1 trained wrong weights under Megatron-FSDP 0.16.1 "
-                          "(no expert mesh for HSDP; not yet re-measured on 0.19); use hsdp_replicas=1 (shard over all of DP)")
+        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide DP x CP = {dp_cp}; valid "
+                          f"hsdp_replicas: {', '.join(map(str, divisors(dp_cp)))}")
+    expert_dp = layout.expert_data_parallel(world_size)
+    if model.is_moe and expert_dp % layout.hsdp_replicas:
+        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide the expert data-parallel size "
+                          f"{expert_dp} (world {world_size} / expert TP x EP x PP); valid hsdp_replicas: "
+                          f"{', '.join(str(d) for d in divisors(expert_dp) if dp_cp % d == 0)}")
+    # 0.16.1's refusals of a shard group of one rank (ZeRO-2/3 at DP 1, HSDP with one rank per
+    # replica), of MoE with expert DP 1 and of MoE with HSDP are lifted on 0.19.2: re-measured
+    # equal to one rank (tests/pretrain/test_sharded_dp.py: losses, grad norms, final weights).
 
 
 def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
