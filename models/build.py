@@ -101,6 +101,7 @@ def transformer_config(
         attention_dropout=0.0,
         # Parallel layout.
         **layout.megatron_parallel_sizes(),
+        **layout.megatron_pipeline_split(),
         sequence_parallel=layout.sequence_parallel,
         # The interleaved schedule's group size; Megatron-LM uses the PP size.
         microbatch_group_size_per_vp_stage=layout.pipeline_parallel if layout.virtual_pipeline else None,

@@ -51,6 +51,27 @@ class ParallelLayout(BaseModel):
     # HSDP (zero2/zero3): shard over DP / hsdp_replicas ranks (inside a node) and replicate
     # the shards across hsdp_replicas groups (across nodes). 1 = shard over all of DP.
     hsdp_replicas: int = Field(default=1, gt=0)
+    # Uneven pipeline stages, Megatron-Core's four options (TransformerConfig): the first / last
+    # stage's transformer layer count, the other layers split evenly over the middle stages; or
+    # the embedding / the loss counted as one layer each in an even split (its stage then builds
+    # one transformer layer fewer: Llama-3.1 405B's 126 + 2 = 128 = PP8 x VPP8 x 2). The two
+    # kinds do not mix (Megatron-Core refuses it). `pipeline_split` computes the split.
+    num_layers_in_first_pipeline_stage: Optional[int] = Field(default=None, gt=0)
+    num_layers_in_last_pipeline_stage: Optional[int] = Field(default=None, gt=0)
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    @property
+    def uneven_pipeline(self) -> bool:
+        return (self.num_layers_in_first_pipeline_stage is not None or self.num_layers_in_last_pipeline_stage
+                is not None or self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split)
+
+    def megatron_pipeline_split(self) -> dict:
+        """The uneven-stage fields of Megatron-Core's TransformerConfig."""
+        return dict(num_layers_in_first_pipeline_stage=self.num_layers_in_first_pipeline_stage,
+                    num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage,
+                    account_for_embedding_in_pipeline_split=self.account_for_embedding_in_pipeline_split,
+                    account_for_loss_in_pipeline_split=self.account_for_loss_in_pipeline_split)
 
     @property
     def fsdp(self) -> bool:
@@ -113,6 +134,14 @@ class ParallelLayout(BaseModel):
         parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
         if self.virtual_pipeline:
             parts.append(f"VPP{self.virtual_pipeline}")
+        counted = [k for k, on in (("emb", self.account_for_embedding_in_pipeline_split),
+                                   ("loss", self.account_for_loss_in_pipeline_split)) if on]
+        if counted:
+            parts.append("+".join(counted) + "-in-PP")  # the embedding / loss take a layer's slot
+        if self.num_layers_in_first_pipeline_stage is not None:
+            parts.append(f"first{self.num_layers_in_first_pipeline_stage}")
+        if self.num_layers_in_last_pipeline_stage is not None:
+            parts.append(f"last{self.num_layers_in_last_pipeline_stage}")
         if self.context_parallel > 1:
             parts.append(f"CP{self.context_parallel}")
         if self.expert_parallel > 1:
@@ -143,13 +172,7 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int)
     _check_divides("TP", tp, "num_query_groups", model.query_groups)
     _check_divides("TP", tp, "ffn_hidden_size", model.ffn_hidden_size)
     _check_divides("TP", tp, "padded vocab size", model.padded_vocab_size)
-    stages = pp * layout.vpp
-    if model.num_layers % stages:
-        valid = [d for d in divisors(model.num_layers)]
-        raise LayoutError(
-            f"num_layers={model.num_layers} cannot be split evenly over PP({pp}) x VPP("
-            f"{layout.vpp}) = {stages} model chunks; PP x VPP must be one of {valid}"
-        )
+    pipeline_split(model.num_layers, layout)
     if layout.virtual_pipeline and pp == 1:
         raise LayoutError(
             f"virtual_pipeline={layout.virtual_pipeline} needs pipeline_parallel > 1 "
@@ -165,9 +188,66 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int)
     _validate_sharding(model, layout, world_size)
 
 
+def pipeline_split(num_layers: int, layout: ParallelLayout) -> list[list[int]]:
+    """Transformer layers of each model chunk: [pp_rank][vp_stage], in the order Megatron-Core's
+    get_num_layers_to_build (0.16.1-0.19.2) builds them; raise LayoutError naming the fix when
+    a split is impossible (tests/models/test_pipeline_split.py checks it against Megatron-Core's)."""
+    pp, vpp = layout.pipeline_parallel, layout.vpp
+    first, last = layout.num_layers_in_first_pipeline_stage, layout.num_layers_in_last_pipeline_stage
+    extra = int(layout.account_for_embedding_in_pipeline_split) + int(layout.account_for_loss_in_pipeline_split)
+    if not layout.uneven_pipeline:
+        stages = pp * vpp
+        if num_layers % stages:
+            raise LayoutError(
+                f"num_layers={num_layers} cannot be split evenly over PP({pp}) x VPP({vpp}) = {stages} model "
+                f"chunks; PP x VPP must be one of {divisors(num_layers)}, or split unevenly "
+                "(parallel.num_layers_in_first/last_pipeline_stage, parallel.account_for_embedding/loss_in_pipeline_split)")
+        return [[num_layers // stages] * vpp for _ in range(pp)]
+    if pp == 1:
+        raise LayoutError("uneven pipeline stages (parallel.num_layers_in_first/last_pipeline_stage, "
+                          "account_for_embedding/loss_in_pipeline_split) need pipeline_parallel > 1; remove them")
+    if (first or last) and extra:
+        raise LayoutError("parallel.num_layers_in_first/last_pipeline_stage and parallel.account_for_embedding/"
+                          "loss_in_pipeline_split do not mix (Megatron-Core refuses it); use one kind")
+    if extra:
+        per_rank = _even_share(num_layers + extra, pp, f"num_layers + {extra} (embedding/loss counted) = "
+                               f"{num_layers + extra}", "PP")
+        counts = [per_rank] * pp
+    else:
+        middle_layers = num_layers - (first or 0) - (last or 0)
+        middle_stages = pp - (first is not None) - (last is not None)
+        if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+            raise LayoutError(f"num_layers_in_first/last_pipeline_stage ({first} / {last}) leave {middle_layers} "
+                              f"of num_layers={num_layers} for the {middle_stages} other stage(s) of PP{pp}; every "
+                              "stage needs layers and every layer a stage")
+        middle = _even_share(middle_layers, middle_stages, f"the {middle_layers} middle layers", "middle stages") \
+            if middle_stages else 0
+        counts = [middle] * pp
+        counts[0] = first if first is not None else counts[0]
+        counts[-1] = last if last is not None else counts[-1]
+    split = []
+    for rank, count in enumerate(counts):
+        per_chunk = _even_share(count, vpp, f"pipeline stage {rank}'s {count} layers", "VPP") if vpp > 1 else count
+        split.append([per_chunk] * vpp)
+    if layout.account_for_embedding_in_pipeline_split:
+        split[0][0] -= 1  # the embedding takes a layer's slot in the first chunk
+    if layout.account_for_loss_in_pipeline_split:
+        split[-1][-1] -= 1  # the loss in the last
+    if any(chunk < 1 for stage in split for chunk in stage):
+        raise LayoutError(f"this pipeline split leaves a model chunk without a transformer layer ({split}: layers per "
+                          "[stage][virtual stage]); use fewer stages or virtual stages, or an even split")
+    return split
+
+
+def _even_share(total: int, parts: int, what: str, over: str) -> int:
+    if total % parts:
+        raise LayoutError(f"{what} cannot be split evenly over {over} ({parts}); valid sizes: {divisors(total)}")
+    return total // parts
+
+
 def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:
-    """What Megatron-FSDP (ZeRO-2/3) is known to run correctly: measured on megatron-core 0.16.1,
-    kept for 0.19.2 until re-measured; the reasons are in pretrain/megatron_fixes/fsdp.py."""
+    """What Megatron-FSDP (ZeRO-2/3) runs correctly on megatron-core 0.19.2 (re-measured; the
+    0.16.1 history is in pretrain/megatron_fixes/fsdp.py)."""
     if layout.hsdp_replicas > 1 and not layout.fsdp:
         raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} needs sharding=zero2 or zero3 (HSDP shards "
                           "inside a replica and replicates across replicas)")
@@ -181,24 +261,16 @@ def _validate_sharding(model: ModelConfig, layout: ParallelLayout, world_size: i
             f"PP{layout.pipeline_parallel}, or fold PP into data parallelism (pipeline_parallel=1) with {name}")
     dp_cp = layout.data_parallel(world_size) * layout.context_parallel
     if dp_cp % layout.hsdp_replicas:
-        valid = [d for d in divisors(dp_cp) if dp_cp // d > 1]
-        choices = f"valid hsdp_replicas: {', '.join(map(str, valid))}" if valid else (
-            "with DP x CP < 2 there is nothing to shard: use sharding=none or zero1 (or more ranks)")
-        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide DP x CP = {dp_cp}; {choices}")
-    if layout.shard_group_size(world_size) < 2:
-        raise LayoutError(
-            f"sharding={name} over a shard group of {layout.shard_group_size(world_size)} rank shards nothing "
-            f"(DP x CP = {dp_cp}, hsdp_replicas={layout.hsdp_replicas}), and Megatron-FSDP 0.16.1 double-counted "
-            "gradients there (not yet re-measured on 0.19); use sharding=none or zero1, or more data-parallel ranks per replica")
-    if model.is_moe and layout.expert_data_parallel(world_size) < 2:
-        raise LayoutError(
-            f"sharding={name} shards the experts over the expert data-parallel group, which has "
-            f"{layout.expert_data_parallel(world_size)} rank here (world {world_size} / expert TP {layout.expert_tp} x "
-            f"EP {layout.expert_parallel} x PP {layout.pipeline_parallel}), and Megatron-FSDP 0.16.1 double-counted "
-            "gradients in a shard group of one rank (not yet re-measured on 0.19); use a smaller expert_parallel or more ranks (expert DP >= 2)")
-    if model.is_moe and layout.hsdp_replicas > 1:
-        raise LayoutError("a MoE model with hsdp_replicas > 1 trained wrong weights under Megatron-FSDP 0.16.1 "
-                          "(no expert mesh for HSDP; not yet re-measured on 0.19); use hsdp_replicas=1 (shard over all of DP)")
+        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide DP x CP = {dp_cp}; valid "
+                          f"hsdp_replicas: {', '.join(map(str, divisors(dp_cp)))}")
+    expert_dp = layout.expert_data_parallel(world_size)
+    if model.is_moe and expert_dp % layout.hsdp_replicas:
+        raise LayoutError(f"hsdp_replicas={layout.hsdp_replicas} does not divide the expert data-parallel size "
+                          f"{expert_dp} (world {world_size} / expert TP x EP x PP); valid hsdp_replicas: "
+                          f"{', '.join(str(d) for d in divisors(expert_dp) if dp_cp % d == 0)}")
+    # 0.16.1's refusals of a shard group of one rank (ZeRO-2/3 at DP 1, HSDP with one rank per
+    # replica), of MoE with expert DP 1 and of MoE with HSDP are lifted on 0.19.2: re-measured
+    # equal to one rank (tests/pretrain/test_sharded_dp.py: losses, grad norms, final weights).
 
 
 def _validate_moe(model: ModelConfig, layout: ParallelLayout, world_size: int) -> None:

@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         validate_inputs(config)
         print(dump_yaml(config), end="")
         print(f"# valid for world size {world}: {config.parallel.describe(world)}")
+        if config.parallel.uneven_pipeline:
+            from models.layout import pipeline_split
+
+            split = pipeline_split(config.model.num_layers, config.parallel)
+            shown = [stage[0] if len(stage) == 1 else stage for stage in split]
+            print(f"# transformer layers per pipeline stage{' (per virtual stage)' if config.parallel.virtual_pipeline else ''}: {shown}")
         return 0
 
     config = run_cli(check, bad_input=(ConfigError, ValueError))

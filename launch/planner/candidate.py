@@ -12,7 +12,7 @@ from typing import Optional
 
 from models.config import ModelConfig
 from models.flops import packed_attention_fraction
-from models.layout import SHARDING_LEVELS, ParallelLayout
+from models.layout import SHARDING_LEVELS, ParallelLayout, pipeline_split
 from models.runtime import DTYPES, DtypeName, Recompute
 from pretrain.config import ExperimentConfig, data_parallel_sharding, microbatches
 
@@ -40,11 +40,6 @@ class Candidate:
     # Megatron DDP's grad_reduce_in_fp32: ours always True (pretrain/wrap.py); published
     # recipes (Megatron-Bridge's llama performance configs) reduce in bf16.
     grad_reduce_in_fp32: bool = True
-    # Megatron-Core's account_for_embedding_in_pipeline_split + account_for_loss_in_pipeline_split:
-    # the embedding and the loss each take one layer's slot, so L + 2 layers split evenly
-    # (Llama-3.1 405B: 126 + 2 = 128 = PP8 x VPP8 x 2). Our training does not offer it yet
-    # (issue 47 item 5); the planner models it so that published layouts can be estimated.
-    embedding_loss_in_split: bool = False
     recompute: Recompute = "none"
     # Data-parallel sharding: 0 = none, 1 = optimizer state (Megatron's distributed
     # optimizer), 2 = + gradients, 3 = + parameters (Megatron-FSDP).
@@ -201,13 +196,17 @@ class Candidate:
         """Bytes per element of the DDP gradient buffer: fp32 with grad_reduce_in_fp32."""
         return 4 if self.grad_reduce_in_fp32 else DTYPES[self.dtype].itemsize
 
+    @property
+    def embedding_loss_in_split(self) -> bool:
+        """Megatron-Core's account_for_embedding_in_pipeline_split + account_for_loss_in_pipeline_split
+        (the layout's keys, as the training reads them): the embedding and the loss each take a
+        layer's slot, so L + 2 layers split evenly (Llama-3.1 405B: 126 + 2 = 128 = PP8 x VPP8 x 2)."""
+        return self.layout.account_for_embedding_in_pipeline_split and self.layout.account_for_loss_in_pipeline_split
+
     def layers_on_stage(self, stage: int) -> int:
-        """Transformer layers on pipeline rank `stage`, all its virtual chunks together: L/p,
-        or with embedding_loss_in_split (L+2)/p less one on the first and on the last stage."""
-        if not self.embedding_loss_in_split:
-            return self.model.num_layers // self.pp
-        per = (self.model.num_layers + 2) // self.pp
-        return per - (stage == 0) - (stage == self.pp - 1)
+        """Transformer layers on pipeline rank `stage`, all its virtual chunks together, as the
+        training splits them (models.layout.pipeline_split: even, or uneven by the layout's keys)."""
+        return sum(pipeline_split(self.model.num_layers, self.layout)[stage])
 
     @property
     def max_stage_layers(self) -> int:

@@ -475,10 +475,11 @@ def peak_memory(c: Candidate, options: MemoryOptions = MemoryOptions()) -> Memor
 def edge_stages(c: Candidate) -> tuple[int, ...]:
     """Stages that can be the largest: a middle stage holds no more parameters than stage 0
     (which adds the embedding) and no more microbatches in flight, so only the first and
-    the last stage need evaluating. With embedding_loss_in_split a middle stage holds one
-    layer more than either edge, so stage 1 is evaluated too."""
+    the last stage need evaluating. With uneven stages (the embedding and loss counted, or the
+    first/last stage's own count) a middle stage can hold more layers than either edge, so
+    stage 1 (every middle stage holds the same) is evaluated too."""
     if c.pp == 1:
         return (0,)
-    if c.embedding_loss_in_split and c.pp > 2:
+    if c.layout.uneven_pipeline and c.pp > 2:
         return (0, 1, c.pp - 1)
     return (0, c.pp - 1)

@@ -48,11 +48,11 @@ def row_candidate(r: dict) -> Candidate:
         model = model.model_copy(update={"num_layers": r["num_layers"]})
     layout = ParallelLayout(tensor_parallel=r["tp"], pipeline_parallel=r["pp"],
                             virtual_pipeline=r["vpp"] if r["vpp"] > 1 else None, context_parallel=r["cp"],
-                            sequence_parallel=r["tp"] > 1)
+                            sequence_parallel=r["tp"] > 1, account_for_embedding_in_pipeline_split=r.get("split", False),
+                            account_for_loss_in_pipeline_split=r.get("split", False))
     return Candidate(model=model, layout=layout, world_size=r["gpus"], micro_batch=r["mbs"], global_batch=r["gbs"],
                      seq_length=r["seq"], dtype=r["dtype"], fp8=r["fp8"] is not None, fp8_recipe=r["fp8"],
-                     recompute=r["recompute"], zero=r["zero"], grad_reduce_in_fp32=r["grad_fp32"],
-                     embedding_loss_in_split=r.get("split", False))
+                     recompute=r["recompute"], zero=r["zero"], grad_reduce_in_fp32=r["grad_fp32"])
 
 
 def row_options(r: dict, eff: Efficiencies) -> ThroughputOptions:

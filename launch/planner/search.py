@@ -102,20 +102,33 @@ def _pick(values: Optional[Sequence[int]], allowed: list[int]) -> list[int]:
 
 
 def _layouts(config: ExperimentConfig, world: int, device: Device, space: SearchSpace) -> Iterator[dict]:
-    """Raw (tp, pp, vpp, cp, ep) combinations whose product divides the world size."""
+    """Raw (tp, pp, vpp, cp, ep, split) combinations whose product divides the world size."""
     m, seq = config.model, config.schedule.seq_length
     for tp in _pick(space.tp, [d for d in divisors(world) if d <= device.gpus_per_node]):
-        for pp in _pick(space.pp, [d for d in divisors(world // tp) if m.num_layers % d == 0]):
-            vpps = [1] + ([v for v in divisors(m.num_layers // pp) if v > 1] if pp > 1 else [])
+        for pp, vpp, split in _pipeline_options(m.num_layers, divisors(world // tp), space):
+            cps = [c for c in divisors(world // (tp * pp))
+                   if c <= space.max_cp and c & (c - 1) == 0 and seq % (2 * c) == 0]
+            for cp in _pick(space.cp, cps):
+                eps = [1]
+                if m.is_moe:
+                    eps = [e for e in divisors(m.num_experts) if (world // pp // tp) % e == 0]
+                for ep in _pick(space.ep, eps):
+                    yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, split=split)
+
+
+def _pipeline_options(num_layers: int, pps: list[int], space: SearchSpace) -> Iterator[tuple[int, int, bool]]:
+    """(PP, VPP, embedding and loss counted in the split) the training accepts: an even split of
+    L layers, or of L + 2 with the embedding and the loss each in a layer's slot (how Megatron-
+    Bridge runs Llama-3.1 405B's 126 layers at PP8 x VPP8)."""
+    for pp in _pick(space.pp, pps):
+        for split in ((False, True) if pp > 1 else (False,)):
+            slots = num_layers + 2 * split
+            if slots % pp:
+                continue
+            vpps = [1] + ([v for v in divisors(slots // pp) if v > 1] if pp > 1 else [])
             for vpp in _pick(space.vpp, vpps):
-                cps = [c for c in divisors(world // (tp * pp))
-                       if c <= space.max_cp and c & (c - 1) == 0 and seq % (2 * c) == 0]
-                for cp in _pick(space.cp, cps):
-                    eps = [1]
-                    if m.is_moe:
-                        eps = [e for e in divisors(m.num_experts) if (world // pp // tp) % e == 0]
-                    for ep in _pick(space.ep, eps):
-                        yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep)
+                if not split or (slots // (pp * vpp)) > 1:  # no model chunk without a layer
+                    yield pp, vpp, split
 
 
 def _sharding_options(space: SearchSpace, dp: int, shards: int) -> list[tuple[int, int, bool]]:
@@ -143,6 +156,7 @@ def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, s
             tensor_parallel=lay["tp"], pipeline_parallel=lay["pp"],
             virtual_pipeline=lay["vpp"] if lay["vpp"] > 1 else None, context_parallel=lay["cp"],
             expert_parallel=lay["ep"], sequence_parallel=lay["tp"] > 1,
+            account_for_embedding_in_pipeline_split=lay["split"], account_for_loss_in_pipeline_split=lay["split"],
         )
         shards = max(world // (lay["tp"] * lay["pp"]), layout.expert_data_parallel(world))
         sharding = _sharding_options(space, layout.data_parallel(world), shards)

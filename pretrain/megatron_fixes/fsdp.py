@@ -34,18 +34,18 @@ Deleted with 0.19: the stand-in for `mcore_fsdp_adapter.TELinear` (0.16.1's
 annotated from class names and the modules' `tensor_model_parallel`/`partition_dim`
 attributes (`_detect_parallelism_type`), which needs no TE.
 
-0.16.1 bugs avoided rather than patched (pretrain.config refuses the layouts; kept with 0.19.2,
-whose changes to these paths are listed with each, not yet re-measured):
+0.16.1 bugs that were avoided by refusing the layouts, re-measured on 0.19.2 and no longer refused
+(tests/pretrain/test_sharded_dp.py trains each against one rank: losses, grad norms, weights):
 - A gradient buffer that is not sharded (strategy `optim`, or a shard group of ONE rank:
-  ZeRO-2/3 at DP 1, HSDP with one rank per replica) adds the reduce-scatter result to this
+  ZeRO-2/3 at DP 1, HSDP with one rank per replica) added the reduce-scatter result to this
   rank's own gradient (0.16.1 `_bucket_group_gradient_reduce`; measured 2.8-3.3x grad norm at
   HSDP 2x1). 0.19.2 copies instead for `no_shard`/`optim` and skips unsharded buffers.
-  ZeRO-1 stays Megatron's DistributedOptimizer, and ZeRO-2/3 need a shard group of 2+ ranks.
 - HSDP with `outer_dp_sharding_strategy` other than `no_shard` reduced the grad norm over
   one replica only (0.16.1 optimizer/__init__.py:459; 0.43-0.66x): our HSDP is always "shard
   inside a replica, replicate across replicas" (outer `no_shard`).
 - MoE with HSDP: 0.16.1's adapter built no expert mesh for HSDP (`_init_dist_index`), weights
-  came out 0.14 off with no error: refused. 0.19.2 builds one.
+  came out 0.14 off with no error. 0.19.2 builds one.
+Still refused:
 - PP > 1: the adapter's device mesh has no pipeline dimension (`_get_dp_tp_mesh`, unchanged
   in 0.19.2; einops shape mismatch at wrap time): refused.
 """

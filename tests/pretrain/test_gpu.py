@@ -201,8 +201,7 @@ def test_moe_grouped_gemm_matches_the_expert_loop(tmp_path):
 
 @two_gpus
 def test_sharded_data_parallel_matches_ddp(tmp_path):
-    """ZeRO-2 and ZeRO-3 (Megatron-FSDP) over 2 GPUs against plain DDP over the same 2 (a
-    shard group of one GPU shards nothing and is refused)."""
+    """ZeRO-2 and ZeRO-3 (Megatron-FSDP) over 2 GPUs against plain DDP over the same 2."""
     over = ["runtime.dtype=fp32", "runtime.spec=auto"]
     plain = _losses(tmp_path, "ddp", over + ["parallel.sharding=none"], nproc=2)
     for level in ("zero2", "zero3"):

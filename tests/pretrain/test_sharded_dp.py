@@ -42,6 +42,13 @@ LAYOUTS = {
     "DP2-ZeRO3-4mb": ("tiny-llama", 2, ["parallel.sharding=zero3", "schedule.global_batch_size=16"]),
     # EP2 over 4 ranks: experts sharded over an expert-DP group of 2 (a group of 1 is refused).
     "MoE-EP2-ZeRO3": ("tiny-moe", 4, ["parallel.sharding=zero3", "parallel.expert_parallel=2"]),
+    # Refused on megatron-core 0.16.1 (wrong gradients or weights there: pretrain/megatron_fixes/fsdp.py),
+    # equal to one rank on 0.19.2: a shard group of one rank (one rank; HSDP with one rank per
+    # replica), MoE with expert DP 1, MoE with HSDP.
+    "ZeRO3-one-rank": ("tiny-llama", 1, ["parallel.sharding=zero3"]),
+    "HSDP2x1-ZeRO2": ("tiny-llama", 2, ["parallel.sharding=zero2", "parallel.hsdp_replicas=2"]),
+    "MoE-EP2-ZeRO3-expertDP1": ("tiny-moe", 2, ["parallel.sharding=zero3", "parallel.expert_parallel=2"]),
+    "MoE-HSDP2x2-ZeRO3": ("tiny-moe", 4, ["parallel.sharding=zero3", "parallel.hsdp_replicas=2"]),
 }
 # Document masking (issue 24) in every kind of layout, on real text with short documents
 # (tests.pretrain.workers.document_data: 1-3 document boundaries per 64-token sample), against one rank
