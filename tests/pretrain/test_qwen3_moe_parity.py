@@ -58,8 +58,8 @@ def _run(root, tag: str, nproc: int, extra: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    ref = _run(tmp_path_factory.mktemp("qwen3-moe-ref"), "ref", 1, [])
+def reference(module_tmp_factory) -> dict:
+    ref = _run(module_tmp_factory.mktemp("qwen3-moe-ref"), "ref", 1, [])
     assert len(ref["loss"]) == STEPS and ref["loss"][-1] < ref["loss"][0], "the run must train"
     assert ref["weights"][EXPERT_FC1].shape == (4, 8, 128, 128), "layers x experts x (gate 64 + up 64) x hidden"
     assert ref["weights"][ROUTER].shape == (4, 8, 128)
