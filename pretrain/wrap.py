@@ -127,6 +127,9 @@ def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimi
         params_dtype=dtype,
         initial_loss_scale=opt.initial_loss_scale,
         use_distributed_optimizer=sharding != "none" and opt.name != "muon",
+        # Muon's ZeRO-1: Megatron-Core's LayerWiseDistributedOptimizer (each DP rank steps
+        # whole matrices, then the updated weights are all-gathered), over all-reduced grads.
+        use_layer_wise_distributed_optimizer=sharding == "zero1" and opt.name == "muon",
         # The distributed optimizer shards FP8 weights differently per recipe (MXFP8 and
         # block-scaled tensors cannot be viewed flat) and must know the recipe.
         fp8_recipe=runtime.fp8_recipe_name,

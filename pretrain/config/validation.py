@@ -124,10 +124,6 @@ def _check_muon(config: ExperimentConfig, data_parallel: int) -> None:
     if sharding in ("zero2", "zero3"):
         raise ConfigError(f"optimizer.name=muon with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "
                           "0.19 runs Muon with DDP only; use parallel.sharding=zero1 or none")
-    if sharding == "zero1" and data_parallel > 1:
-        # Megatron-Core's layer-wise distributed optimizer for Muon is not wired here yet.
-        raise ConfigError(f"optimizer.name=muon with the distributed optimizer at DP={data_parallel} is not "
-                          "supported yet; set optimizer.distributed=false (Muon state replicated over DP)")
     if opt.cpu_offload:
         raise ConfigError("optimizer.name=muon with optimizer.cpu_offload=true: Megatron-Core's offloaded "
                           "optimizer is Adam only; remove optimizer.cpu_offload")

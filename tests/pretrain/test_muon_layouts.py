@@ -42,7 +42,8 @@ def _losses(nproc: int, extra: list[str], run_dir) -> list[float]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> list[float]:
-    return _losses(1, [], tmp_path_factory.mktemp("one"))
+    # Plain Muon (no layer-wise distributed optimizer), so the DP2 ZeRO-1 run is checked against it.
+    return _losses(1, ["optimizer.distributed=false"], tmp_path_factory.mktemp("one"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -59,3 +60,9 @@ def test_muon_tp2_blockwise_is_not_one_rank_muon(one_rank, tmp_path):
     with pytest.raises(AssertionError):
         assert_steps_close(losses, one_rank, rtol=1e-5, what="Muon TP2 blockwise loss vs one rank")
     print(f"blockwise: worst rel diff {max(relative_differences(losses, one_rank)):.2e}")
+
+
+def test_muon_dp2_layer_wise_distributed_optimizer_matches_one_rank(one_rank, tmp_path):
+    losses = _losses(2, [], tmp_path)  # optimizer.distributed=true (default): layer-wise ZeRO-1
+    worst = assert_steps_close(losses, one_rank, rtol=1e-5, what="Muon DP2 layer-wise distributed optimizer")
+    print(f"DP2 layer-wise: worst rel diff {worst:.2e}")
