@@ -137,3 +137,22 @@ def _reference_loop(model, batches, config, steps: int, *, split_qkv: bool, adju
         for name, parts in pieces.items():
             fused[name].copy_(_join_qkv(parts, model))
     return losses, _weights(model)
+
+
+def optimizer_of_each_param(recipe: str, overrides: list[str]) -> dict:
+    """{parameter name: the class of the torch optimizer that steps it} after set-up (one rank)."""
+    from pretrain.cli import resolve_config
+    from pretrain.loop import setup
+    from pretrain.runtime import shutdown
+
+    config = resolve_config(recipe, None, overrides)
+    run = setup(config)
+    try:
+        owner = {}
+        for sub in getattr(run.state.optimizer, "chained_optimizers", [run.state.optimizer]):
+            for group in sub.optimizer.param_groups:
+                owner.update({id(p): type(sub.optimizer).__name__ for p in group["params"]})
+        return {name: owner.get(id(p)) for name, p in run.state.model[0].module.named_parameters()}
+    finally:
+        run.writer.close()
+        shutdown()
