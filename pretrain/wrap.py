@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -129,7 +130,9 @@ def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimi
         use_distributed_optimizer=sharding != "none" and opt.name != "muon",
         # Muon's ZeRO-1: Megatron-Core's LayerWiseDistributedOptimizer (each DP rank steps
         # whole matrices, then the updated weights are all-gathered), over all-reduced grads.
-        use_layer_wise_distributed_optimizer=sharding == "zero1" and opt.name == "muon",
+        # At DP 1 there is nothing to shard: plain Muon.
+        use_layer_wise_distributed_optimizer=sharding == "zero1" and opt.name == "muon"
+        and parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1,
         # The distributed optimizer shards FP8 weights differently per recipe (MXFP8 and
         # block-scaled tensors cannot be viewed flat) and must know the recipe.
         fp8_recipe=runtime.fp8_recipe_name,

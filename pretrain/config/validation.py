@@ -124,6 +124,13 @@ def _check_muon(config: ExperimentConfig, data_parallel: int) -> None:
     if sharding in ("zero2", "zero3"):
         raise ConfigError(f"optimizer.name=muon with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "
                           "0.19 runs Muon with DDP only; use parallel.sharding=zero1 or none")
+    if sharding == "zero1" and data_parallel > 1 and config.runtime.dtype == "fp32":
+        # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers for bf16 only (fp32:
+        # "'TensorParallelMuon' object has no attribute 'prepare_grads'" at the first step), and
+        # neither fp32 wrapper's state dict is one its sharded_state_dict can save.
+        raise ConfigError(f"optimizer.name=muon with the distributed optimizer at DP={data_parallel} needs "
+                          "runtime.dtype=bf16 (Megatron-Core 0.19.2's layer-wise distributed optimizer cannot step "
+                          "or save fp32 parameters); or set optimizer.distributed=false")
     if opt.cpu_offload:
         raise ConfigError("optimizer.name=muon with optimizer.cpu_offload=true: Megatron-Core's offloaded "
                           "optimizer is Adam only; remove optimizer.cpu_offload")

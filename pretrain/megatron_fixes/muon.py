@@ -15,24 +15,13 @@ AdamW, and so do we (pretrain/muon.py's `is_adamw_param`, also the key of the Ad
 What we do instead: replace that entry's default override with one keyed by
 `is_adamw_param` (upstream's rule plus the router), same value. Known for 0.19.2; the guard pins
 both upstream functions and checks the entry holds exactly the override described above.
-
-Second fix, Muon's ZeRO-1 in fp32: `LayerWiseDistributedOptimizer.__init__` (optimizer/
-layer_wise_optimizer.py) is handed raw torch optimizers and wraps them for bf16 only
-(Float16OptimizerWithFloat16Params, "Wrap base torch optimizers with Float16 for bf16
-training"); in fp32 the raw TensorParallelMuon / AdamW stay in the chain and the first step
-fails ("'TensorParallelMuon' object has no attribute 'prepare_grads'"). Upstream's own
-non-layer-wise path wraps fp32 in FP32Optimizer (optimizer/__init__.py); we do the same after
-__init__ has sharded the parameters (what the bf16 wrap waits for too). Known for 0.19.2,
-guarded by the source digest of __init__.
 """
 
 from __future__ import annotations
 
 from pretrain.megatron_fixes._guard import UpstreamChanged, expect_sources
 
-_LAYER_WISE = "megatron.core.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.__init__"
 SOURCES = {
-    _LAYER_WISE: "62e62fc6b530e656",
     "megatron.core.optimizer.emerging_optimizers:_is_nonlinear_or_embedding": "c236984cd03ba4a0",
     "megatron.core.optimizer:_get_megatron_emerging_optimizer": "bb01859837461bdd",
 }
@@ -40,31 +29,6 @@ SOURCES = {
 
 def apply() -> None:
     _route_router_to_adamw()
-    _wrap_fp32_layer_wise()
-
-
-def _wrap_fp32_layer_wise() -> None:
-    import functools
-
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
-    from megatron.core.optimizer.optimizer import FP32Optimizer
-
-    init = LayerWiseDistributedOptimizer.__init__
-    if getattr(init, "_fp32_wrapped", False):
-        return
-
-    @functools.wraps(init)
-    def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None):
-        init(self, optimizers, config, pg_collection, init_state_fn_list, model_chunks)
-        if config.bf16 or config.fp16:
-            return
-        fns = init_state_fn_list or [None] * len(self.chained_optimizers)
-        self.chained_optimizers = [FP32Optimizer(opt, config, fn) for opt, fn in zip(self.chained_optimizers, fns,
-                                                                                       strict=True)]
-        self.config = config  # ChainedOptimizer took it from the raw optimizers (None)
-
-    __init__._fp32_wrapped = True
-    LayerWiseDistributedOptimizer.__init__ = __init__
 
 
 def _route_router_to_adamw() -> None:
@@ -76,7 +40,7 @@ def _route_router_to_adamw() -> None:
     expect_sources("muon", SOURCES)
     entry = emerging_optimizers._EMERGING_OPTIMIZERS["muon"]
     defaults = entry.default_param_overrides
-    keys = [getattr(key.predicate, "name", None) for key in defaults]
+    keys = [getattr(key.predicate, "name", None) or getattr(key.with_name_predicate, "name", None) for key in defaults]
     if keys == ["adamw_params"]:
         return  # applied already
     if keys != ["nonlinear_or_embedding"] or list(defaults.values()) != [{"optimizer": "adam"}]:

@@ -19,6 +19,7 @@ BASE = ["data.mock=true", "data.demo=false", "runtime.spec=portable"]
     (2, ["optimizer.name=muon", "parallel.sharding=zero3"], "Megatron-Core 0.19 runs Muon with DDP only"),
     (2, ["optimizer.name=muon", "parallel.sharding=zero2"], "Megatron-Core 0.19 runs Muon with DDP only"),
     (1, ["optimizer.name=muon", "runtime.dtype=fp16"], "emerging optimizers with fp16"),
+    (2, ["optimizer.name=muon"], "layer-wise distributed optimizer cannot step or save fp32 parameters"),
     (1, ["optimizer.name=muon", "optimizer.muon.adamw_lr=1e-5"], "min LR 0.0003 exceeds their LR 1e-05"),
     (1, ["optimizer.name=muon", "optimizer.muon.tp_mode=rowwise"], "optimizer.muon.tp_mode"),
     (1, ["optimizer.name=lion"], "optimizer.name"),
