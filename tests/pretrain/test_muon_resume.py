@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.compare import assert_steps_equal
-from tests.distributed import run_ranks
+from tests.distributed import RankFailure, run_ranks
 from tests.pretrain.test_muon import needs_emerging_optimizers
 from tests.pretrain.workers import logged_losses
 
@@ -34,3 +34,15 @@ def test_muon_resume_is_bitwise(tmp_path, nproc, layout):
     resumed = _train(nproc, tmp_path, "resumed",
                      layout + [ckpt, "checkpoint.resume=3", "checkpoint.on_newer=move_aside"])
     assert_steps_equal(resumed, full[3:], what="Muon resumed loss", start=4)
+
+
+def test_resume_with_another_optimizer_is_refused_in_one_line(tmp_path):
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    short = ["schedule.train_steps=3", ckpt]
+    _train(1, tmp_path, "muon", short + ["checkpoint.resume=none"])
+    adamw = [o for o in BASE if o != "optimizer.name=muon"]
+    with pytest.raises(RankFailure, match=r"holds muon optimizer state, this run has optimizer.name=adamw; "
+                                          r"resume with optimizer.name=muon, or start adamw from the weights"):
+        logged_losses(run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama",
+                                overrides=adamw + short + ["schedule.train_steps=6",
+                                                           f"logging.run_dir={tmp_path / 'adamw'}"]))
