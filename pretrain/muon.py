@@ -1,16 +1,20 @@
 """Muon on Megatron-Core 0.19.2: our `optimizer.muon` section -> Megatron-Core's OptimizerConfig
-`muon_*` fields and the per-parameter overrides that send the non-Muon parameters to AdamW.
+`muon_*` fields and the per-parameter LR overrides of the parameters left to AdamW.
 
 Megatron-Core builds Muon itself (`get_megatron_optimizer` with optimizer="muon" ->
 optimizer/emerging_optimizers.py's TensorParallelMuon, whose Newton-Schulz is NVIDIA's
 emerging_optimizers'); nothing here computes an update. What is ours:
 
-- Which parameters get AdamW: Megatron-Core's own rule (`_is_nonlinear_or_embedding`:
-  embedding/output layer, anything not 2-D) plus the MoE router's weight, which is 2-D but a
-  per-expert score table, not a hidden map (Kimi K2, GLM-4.5 and torchtitan keep it on AdamW).
-  The router's expert bias is a buffer updated by its own rule, not by an optimizer.
+- Which parameters get AdamW (`is_adamw_param`): Megatron-Core's own rule
+  (`_is_nonlinear_or_embedding`: embedding/output layer, anything not 2-D) plus the MoE
+  router's weight, which is 2-D but a per-expert score table, not a hidden map (Kimi K2,
+  GLM-4.5 and torchtitan keep it on AdamW). Megatron-Core lets no caller override which
+  optimizer a parameter gets, so pretrain/megatron_fixes/muon.py installs this rule as its
+  registry default. The router's expert bias is a buffer with its own update rule.
 - Their LR (`optimizer.muon.adamw_lr` / `adamw_min_lr`): a `max_lr`/`min_lr` override, which
   the OptimizerParamScheduler reads per group.
+- At DP > 1 with optimizer.distributed, Megatron-Core's layer-wise distributed optimizer
+  (pretrain/wrap.py), bf16 only (pretrain/config/validation.py says why).
 """
 
 from __future__ import annotations
