@@ -88,7 +88,7 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
     if config.runtime.spec == "portable":
         check_spec_support(config, "portable")
     _check_sharding(config)
-    _check_muon(config, dp)
+    _check_muon(config, dp * layout.context_parallel)  # the layer-wise optimizer shards over DP x CP
     if config.optimizer.min_lr > config.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={config.optimizer.min_lr} exceeds optimizer.lr={config.optimizer.lr}")
     data = config.data
@@ -114,7 +114,7 @@ def _check_sharding(config: ExperimentConfig) -> None:
                           "scaling; use runtime.dtype=bf16 (or fp32), or parallel.sharding=zero1")
 
 
-def _check_muon(config: ExperimentConfig, data_parallel: int) -> None:
+def _check_muon(config: ExperimentConfig, dp_cp: int) -> None:
     """What Megatron-Core 0.19.2's Muon (optimizer/emerging_optimizers.py) cannot run, refused
     in one line before any process group."""
     opt = config.optimizer
@@ -124,11 +124,11 @@ def _check_muon(config: ExperimentConfig, data_parallel: int) -> None:
     if sharding in ("zero2", "zero3"):
         raise ConfigError(f"optimizer.name=muon with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "
                           "0.19 runs Muon with DDP only; use parallel.sharding=zero1 or none")
-    if sharding == "zero1" and data_parallel > 1 and config.runtime.dtype == "fp32":
+    if sharding == "zero1" and dp_cp > 1 and config.runtime.dtype == "fp32":
         # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers for bf16 only (fp32:
         # "'TensorParallelMuon' object has no attribute 'prepare_grads'" at the first step), and
         # neither fp32 wrapper's state dict is one its sharded_state_dict can save.
-        raise ConfigError(f"optimizer.name=muon with the distributed optimizer at DP={data_parallel} needs "
+        raise ConfigError(f"optimizer.name=muon with the distributed optimizer at DP x CP={dp_cp} needs "
                           "runtime.dtype=bf16 (Megatron-Core 0.19.2's layer-wise distributed optimizer cannot step "
                           "or save fp32 parameters); or set optimizer.distributed=false")
     if opt.cpu_offload:

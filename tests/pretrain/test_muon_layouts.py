@@ -25,12 +25,14 @@ BASE = [
     f"schedule.train_steps={STEPS}", "schedule.micro_batch_size=2", "schedule.global_batch_size=4",
     "schedule.seq_length=64", "schedule.eval_interval=0", "schedule.warmup_steps=1",
     "data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
-    "model.num_layers=2", "optimizer.lr=1e-2", "optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest",
+    "model.num_layers=4", "optimizer.lr=1e-2", "optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest",
 ]
 LAYOUTS = {
     "TP2+SP": (2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]),
     "TP2-distributed": (2, ["parallel.tensor_parallel=2", "optimizer.muon.tp_mode=distributed"]),
     "DP2-no-distopt": (2, ["optimizer.distributed=false"]),
+    "PP2xVPP2": (2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"]),
+    "CP2": (2, ["parallel.context_parallel=2", "optimizer.distributed=false"]),
 }
 
 
@@ -74,3 +76,18 @@ def test_muon_dp2_layer_wise_distributed_optimizer_equals_unsharded_dp2_in_bf16(
     sharded = _losses(2, bf16, tmp_path / "layer_wise")  # optimizer.distributed=true: layer-wise ZeRO-1
     assert_steps_equal(sharded, plain, what="Muon DP2 layer-wise vs unsharded, bf16")
     assert sharded[-1] < sharded[0]
+
+
+def test_muon_moe_ep2_matches_one_rank(tmp_path):
+    def losses(nproc: int, extra: list[str], tag: str) -> list[float]:
+        got = logged_losses(run_ranks(nproc, "tests.pretrain.workers:train", recipe="tiny-moe",
+                                      overrides=BASE + ["optimizer.distributed=false"] + extra
+                                      + [f"logging.run_dir={tmp_path / tag}"]))
+        assert len(got) == STEPS
+        return got
+
+    one = losses(1, [], "one")
+    ep2 = losses(2, ["parallel.expert_parallel=2"], "ep2")
+    worst = assert_steps_close(ep2, one, rtol=1e-5, what="Muon MoE EP2 loss vs one rank")
+    print(f"MoE EP2: worst rel diff {worst:.2e}")
+    assert ep2[-1] < ep2[0]
