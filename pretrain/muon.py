@@ -8,7 +8,7 @@ emerging_optimizers'); nothing here computes an update. What is ours:
 - Which parameters get AdamW (`is_adamw_param`): Megatron-Core's own rule
   (`_is_nonlinear_or_embedding`: embedding/output layer, anything not 2-D) plus the MoE
   router's weight, which is 2-D but a per-expert score table, not a hidden map (Kimi K2,
-  GLM-4.5 and torchtitan keep it on AdamW). Megatron-Core lets no caller override which
+  GLM-4.5 and torchtitan keep it on AdamW), and learned position embeddings (a lookup table). Megatron-Core lets no caller override which
   optimizer a parameter gets, so pretrain/megatron_fixes/muon.py installs this rule as its
   registry default. The router's expert bias is a buffer with its own update rule.
 - Their LR (`optimizer.muon.adamw_lr` / `adamw_min_lr`): a `max_lr`/`min_lr` override, which
@@ -28,8 +28,10 @@ from pretrain.config import ExperimentConfig
 
 def is_adamw_param(param, name: str) -> bool:
     """True for the parameters Muon leaves to AdamW (see the module docstring)."""
+    # Learned absolute position embeddings are 2-D too, but Megatron-Core tags only the word
+    # embedding and the output layer as embedding/output parameters.
     return (getattr(param, "is_embedding_or_output_parameter", False) or param.dim() != 2
-            or ".router." in name)
+            or ".router." in name or "position_embeddings" in name)
 
 
 def megatron_muon_fields(config: ExperimentConfig) -> dict:

@@ -11,6 +11,7 @@ overrides. A caller cannot add its own {'optimizer': 'adam'} override:
 Why it matters: the MoE router's weight is 2-D ([experts, hidden]), so upstream gives it Muon.
 It is a per-expert score table, not a hidden map; Kimi K2, GLM-4.5 and torchtitan keep it on
 AdamW, and so do we (pretrain/muon.py's `is_adamw_param`, also the key of the AdamW LR override).
+Likewise learned absolute position embeddings: 2-D, but not tagged as embedding parameters.
 
 What we do instead: replace that entry's default override with one keyed by
 `is_adamw_param` (upstream's rule plus the router), same value. Known for 0.19.2; the guard pins

@@ -60,3 +60,15 @@ def test_muon_steps_hidden_matrices_and_adamw_the_rest_router_included(tmp_path)
                                               "linear_fc2.weight")) or "experts" in n]
     assert hidden and all(owner[n] == "TensorParallelMuon" for n in hidden), owner
     assert None not in owner.values(), owner
+
+
+@needs_emerging_optimizers
+def test_learned_position_embeddings_and_biases_go_to_adamw(tmp_path):
+    gpt = ["model.normalization=LayerNorm", "model.activation=gelu", "model.position_embedding=learned_absolute",
+           "model.add_bias_linear=true", "model.add_qkv_bias=true", "model.tie_embeddings=true"]
+    owner = run_ranks(1, "tests.pretrain.muon_reference:optimizer_of_each_param", recipe="tiny-llama",
+                      overrides=BASE + gpt + ["optimizer.name=muon", "model.num_layers=1",
+                                              f"logging.run_dir={tmp_path}"])[0]
+    assert owner["embedding.position_embeddings.weight"] == "AdamW", owner
+    assert all(owner[n] == "AdamW" for n in owner if n.endswith(".bias")), owner
+    assert owner["decoder.layers.0.self_attention.linear_qkv.weight"] == "TensorParallelMuon", owner
