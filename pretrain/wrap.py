@@ -8,7 +8,8 @@ Order (each step needs the previous one):
      `optim_grads` / `optim_grads_params`; HSDP shards inside a replica and replicates
      across `hsdp_replicas`).
   2. `get_megatron_optimizer`: AdamW (Transformer Engine's FusedAdam on GPU, torch's
-     AdamW on CPU), mixed-precision wrapper, distributed optimizer (ZeRO-1) if asked.
+     AdamW on CPU), mixed-precision wrapper, distributed optimizer (ZeRO-1) if asked; or
+     Muon for the hidden matrices + AdamW for the rest (pretrain/muon.py).
   3. Hooks on the TransformerConfig that the schedules call: no_sync for gradient
      accumulation across microbatches, finalize_model_grads (DP reduce, tied-embedding
      and sequence-parallel norm reduces, per-token loss scaling), grad_scale_func (fp16).
@@ -21,6 +22,7 @@ import dataclasses
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -29,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from pretrain.config import ExperimentConfig, data_parallel_sharding
+from pretrain.muon import megatron_muon_fields, muon_param_overrides
 
 
 @dataclasses.dataclass
@@ -55,7 +58,9 @@ def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -
                  for index, chunk in enumerate(chunks)]
         for m in model:
             m.broadcast_params()  # DP replicas start identical (they already do; cheap insurance)
-    optimizer = get_megatron_optimizer(_optimizer_config(config, sharding), model)
+    mcfg = _optimizer_config(config, sharding)
+    overrides = muon_param_overrides(mcfg, config) if config.optimizer.name == "muon" else None
+    optimizer = get_megatron_optimizer(mcfg, model, config_overrides=overrides)
 
     tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     tconfig.finalize_model_grads_func = finalize_model_grads
@@ -77,7 +82,9 @@ def _ddp_config(config: ExperimentConfig, sharding: str) -> DistributedDataParal
     if sharding not in _FSDP_STRATEGY:
         return DistributedDataParallelConfig(
             **common, overlap_grad_reduce=opt.overlap_grad_reduce, overlap_param_gather=opt.overlap_param_gather,
-            use_distributed_optimizer=sharding == "zero1")
+            # Muon's updates need whole matrices: DDP all-reduces its gradients (the
+            # distributed optimizer's reduce-scatter would leave each rank a flat slice).
+            use_distributed_optimizer=sharding == "zero1" and opt.name != "muon")
     return DistributedDataParallelConfig(
         **common,
         use_megatron_fsdp=True,
@@ -106,8 +113,9 @@ def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimi
     dtype = runtime.torch_dtype
     offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                    use_precision_aware_optimizer=True) if opt.cpu_offload else {}
+    muon = megatron_muon_fields(config) if opt.name == "muon" else dict(optimizer="adam")
     return MegatronOptimizerConfig(
-        optimizer="adam",
+        **muon,
         lr=opt.lr,
         min_lr=opt.min_lr,
         weight_decay=opt.weight_decay,
@@ -119,7 +127,12 @@ def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimi
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         initial_loss_scale=opt.initial_loss_scale,
-        use_distributed_optimizer=sharding != "none",
+        use_distributed_optimizer=sharding != "none" and opt.name != "muon",
+        # Muon's ZeRO-1: Megatron-Core's LayerWiseDistributedOptimizer (each DP rank steps
+        # whole matrices, then the updated weights are all-gathered), over all-reduced grads.
+        # At DP 1 there is nothing to shard: plain Muon.
+        use_layer_wise_distributed_optimizer=sharding == "zero1" and opt.name == "muon"
+        and parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1,
         # The distributed optimizer shards FP8 weights differently per recipe (MXFP8 and
         # block-scaled tensors cannot be viewed flat) and must know the recipe.
         fp8_recipe=runtime.fp8_recipe_name,

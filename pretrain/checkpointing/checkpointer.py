@@ -183,6 +183,7 @@ def training_meta(config: ExperimentConfig, step: int, world_size: int,
         layout_name=config.parallel.describe(world_size), model=config.model.model_dump(),
         precision=config.runtime.precision(),
         tracker_runs=tracker_runs or None,
+        optimizer=config.optimizer.name,
     )
 
 
@@ -317,7 +318,19 @@ def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
     if diffs:
         raise CheckpointError(f"checkpoint {path} is from an incompatible model:\n  " + "\n  ".join(diffs))
     _check_moe_optimizer_move(path, meta, config)
+    _check_optimizer_name(path, meta, config)
     return meta
+
+
+def _check_optimizer_name(path: Path, meta: CheckpointMeta, config: ExperimentConfig) -> None:
+    """AdamW moments and Muon momentum are different state: loading one into the other failed
+    deep inside the load, or (Megatron-LM #6920) went through with the wrong state."""
+    if meta.has_optimizer and meta.optimizer_name != config.optimizer.name:
+        raise CheckpointError(
+            f"checkpoint {path} holds {meta.optimizer_name} optimizer state, this run has optimizer.name="
+            f"{config.optimizer.name}; resume with optimizer.name={meta.optimizer_name}, or start "
+            f"{config.optimizer.name} from the weights: python -m checkpoints_tools.reshard {path} NEW_DIR "
+            "--drop-optimizer, then checkpoint.resume=NEW_DIR")
 
 
 def _fsdp_sharding(sharding: Optional[str]) -> bool:

@@ -100,6 +100,13 @@ class CheckpointMeta:
     # Experiment tracker runs of the training ({"mlflow": run id, "wandb": run id}), so a
     # resume continues them. Absent in older checkpoints (read as None).
     tracker_runs: Optional[dict] = None
+    # optimizer.name of the run that wrote the optimizer state ("adamw", "muon"). None in
+    # checkpoints written before it existed, all of them AdamW (`optimizer_name`).
+    optimizer: Optional[str] = None
+
+    @property
+    def optimizer_name(self) -> str:
+        return self.optimizer or "adamw"
 
     @classmethod
     def read(cls, directory: Path) -> "CheckpointMeta":

@@ -18,6 +18,7 @@ from pretrain.config.schema import (
     DataConfig,
     ExperimentConfig,
     LoggingConfig,
+    MuonConfig,
     OptimizerConfig,
     ProfileConfig,
     RuntimeConfig,
@@ -43,7 +44,7 @@ from pretrain.config.validation import (
 )
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "ExperimentConfig", "LoggingConfig", "OptimizerConfig",
+    "CheckpointConfig", "ConfigError", "DataConfig", "ExperimentConfig", "LoggingConfig", "MuonConfig", "OptimizerConfig",
     "ProfileConfig", "RuntimeConfig", "ScheduleConfig", "TrackingConfig", "WatchdogConfig", "apply_overrides",
     "check_document_masking", "check_spec_support", "data_parallel_sharding", "demo_prefix", "dump_yaml", "microbatches",
     "num_microbatches", "sample_counts", "validate_before_start", "validate_data", "validate_for_machine",

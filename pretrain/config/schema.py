@@ -42,7 +42,48 @@ class RuntimeConfig(RuntimeOptions):
     inject_slow_ms: float = Field(default=50.0, ge=0)
 
 
+class MuonConfig(_Strict):
+    """Muon (optimizer.name=muon): Megatron-Core 0.19's TensorParallelMuon from NVIDIA's
+    emerging_optimizers. Defaults are Megatron-Core's OptimizerConfig `muon_*` defaults
+    (megatron/core/optimizer/optimizer_config.py), except tp_mode (see below).
+
+    Muon updates the 2-D hidden matrices (QKV, attention output, MLP fc1/fc2, expert
+    matrices); the embedding, the output layer, norms, biases and the MoE router go to
+    AdamW with the optimizer section's betas, eps and weight decay, at adamw_lr.
+    Fused matrices: QKV is split per projection (split_qkv, Megatron-Core's default: Q,
+    K and V are different maps whose singular values need not match); the fused SwiGLU
+    gate/up matrix (linear_fc1) is orthogonalized whole (Megatron-Core has no split for
+    it; torch.optim.Muon on the fused parameter does the same).
+    """
+
+    momentum: float = Field(default=0.95, ge=0, lt=1)
+    nesterov: bool = False
+    # Newton-Schulz: iteration count and coefficient set (emerging_optimizers' names;
+    # "simple" is torch.optim.Muon's (3.4445, -4.775, 2.0315) at every step).
+    num_ns_steps: int = Field(default=5, ge=1, le=100)
+    coefficient_type: Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"] = "quintic"
+    # The update's scale: spectral = sqrt(max(out, in)) (Kimi; x 0.2 via extra_scale_factor is
+    # torch's adjust_lr_fn="match_rms_adamw"), shape_scaling = sqrt(max(1, out/in)) (Keller
+    # Jordan's, torch's default "original"), unit_rms_norm = sqrt(out/in).
+    scale_mode: Literal["spectral", "shape_scaling", "unit_rms_norm"] = "spectral"
+    extra_scale_factor: float = Field(default=1.0, gt=0)
+    # torch.set_float32_matmul_precision during Newton-Schulz: "medium" runs it in bf16.
+    fp32_matmul_prec: Literal["highest", "high", "medium"] = "medium"
+    split_qkv: bool = True
+    # Tensor-parallel shards: "duplicated" gathers the whole matrix on each TP rank and
+    # "distributed" runs Newton-Schulz on the shards with all-reduces: both are one-rank Muon.
+    # "blockwise" (Megatron-Core's default) orthogonalizes each shard alone: a different
+    # optimizer whose update depends on TP, hence not our default.
+    tp_mode: Literal["duplicated", "distributed", "blockwise"] = "duplicated"
+    # LR of the AdamW parameters (peak, and the floor of the decay); None = optimizer.lr / min_lr.
+    adamw_lr: Optional[float] = Field(default=None, gt=0)
+    adamw_min_lr: Optional[float] = Field(default=None, ge=0)
+
+
 class OptimizerConfig(_Strict):
+    # adamw: every parameter on AdamW. muon: hidden matrices on Muon, the rest on AdamW (`muon`).
+    name: Literal["adamw", "muon"] = "adamw"
+    muon: MuonConfig = MuonConfig()
     lr: float = Field(default=3e-4, gt=0)
     min_lr: float = Field(default=3e-5, ge=0)
     weight_decay: float = Field(default=0.1, ge=0)
@@ -65,6 +106,17 @@ class OptimizerConfig(_Strict):
     overlap_param_gather: bool = False
     # Parameters per gradient bucket; None = Megatron's max(40M, 1M x DP).
     bucket_size: Optional[int] = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _muon_keys_need_muon(self) -> "OptimizerConfig":
+        # Muon keys under optimizer.name=adamw would silently do nothing. Compared with the
+        # defaults, not model_fields_set: a saved config lists every key.
+        changed = [k for k in MuonConfig.model_fields if getattr(self.muon, k) != getattr(MuonConfig(), k)]
+        if self.name != "muon" and changed:
+            key = changed[0]
+            raise ValueError(f"optimizer.muon.{key} is set but optimizer.name={self.name}; "
+                             "set optimizer.name=muon or remove it")
+        return self
 
 
 class ScheduleConfig(_Strict):

@@ -88,6 +88,7 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
     if config.runtime.spec == "portable":
         check_spec_support(config, "portable")
     _check_sharding(config)
+    _check_muon(config, dp * layout.context_parallel)  # the layer-wise optimizer shards over DP x CP
     if config.optimizer.min_lr > config.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={config.optimizer.min_lr} exceeds optimizer.lr={config.optimizer.lr}")
     data = config.data
@@ -111,6 +112,43 @@ def _check_sharding(config: ExperimentConfig) -> None:
     if config.parallel.fsdp and config.runtime.dtype == "fp16":
         raise ConfigError(f"parallel.sharding={sharding} (Megatron-FSDP) is not supported here with fp16 loss "
                           "scaling; use runtime.dtype=bf16 (or fp32), or parallel.sharding=zero1")
+
+
+def _check_muon(config: ExperimentConfig, dp_cp: int) -> None:
+    """What Megatron-Core 0.19.2's Muon (optimizer/emerging_optimizers.py) cannot run, refused
+    in one line before any process group."""
+    opt = config.optimizer
+    if opt.name != "muon":
+        return
+    sharding, muon = data_parallel_sharding(config), opt.muon
+    if sharding in ("zero2", "zero3"):
+        raise ConfigError(f"optimizer.name=muon with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "
+                          "0.19 runs Muon with DDP only; use parallel.sharding=zero1 or none")
+    if sharding == "zero1" and dp_cp > 1 and config.runtime.dtype == "fp32":
+        # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers for bf16 only (fp32:
+        # "'TensorParallelMuon' object has no attribute 'prepare_grads'" at the first step), and
+        # neither fp32 wrapper's state dict is one its sharded_state_dict can save.
+        raise ConfigError(f"optimizer.name=muon with the distributed optimizer at DP x CP={dp_cp} needs "
+                          "runtime.dtype=bf16 (Megatron-Core 0.19.2's layer-wise distributed optimizer cannot step "
+                          "or save fp32 parameters); or set optimizer.distributed=false")
+    if opt.cpu_offload:
+        raise ConfigError("optimizer.name=muon with optimizer.cpu_offload=true: Megatron-Core's offloaded "
+                          "optimizer is Adam only; remove optimizer.cpu_offload")
+    if config.runtime.dtype == "fp16":
+        raise ConfigError("optimizer.name=muon with runtime.dtype=fp16: Megatron-Core refuses emerging "
+                          "optimizers with fp16 loss scaling; use runtime.dtype=bf16 or fp32")
+    lr = muon.adamw_lr if muon.adamw_lr is not None else opt.lr
+    min_lr = muon.adamw_min_lr if muon.adamw_min_lr is not None else opt.min_lr
+    if min_lr > lr:
+        raise ConfigError(f"the AdamW parameters' min LR {min_lr} exceeds their LR {lr} "
+                          "(optimizer.muon.adamw_min_lr / adamw_lr, else optimizer.min_lr / lr)")
+
+
+def muon_available() -> bool:
+    """Megatron-Core's Muon needs NVIDIA's emerging_optimizers (>= 0.2), an optional package."""
+    import importlib.util
+
+    return importlib.util.find_spec("emerging_optimizers") is not None
 
 
 def _check_precision(config: ExperimentConfig) -> None:
@@ -206,6 +244,9 @@ def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.Mac
             problems.append("optimizer.cpu_offload=true moves optimizer state from GPU to host memory "
                             "(Megatron's HybridDeviceOptimizer: pinned memory, CUDA streams); this machine "
                             "has no GPU and the state is in host memory already: remove it")
+    if opt.name == "muon" and not muon_available():
+        problems.append("optimizer.name=muon needs NVIDIA's emerging-optimizers package (Megatron-Core 0.19 "
+                        "imports Muon from it), not installed here: pip install emerging-optimizers==0.3.0")
     if problems:
         raise ConfigError("; ".join(problems))
     _check_observability(config, facts.has_gpu)

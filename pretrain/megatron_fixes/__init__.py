@@ -25,6 +25,8 @@ start-up when upstream has changed the patched object:
 - `quiet`: log lines about choices we made on purpose (the CUDA build of torch without a GPU,
   GPTModel's deprecation, DDP's self-computed ZeRO-1 layout, Megatron's own async save),
   filtered by their exact text.
+- `muon`: Megatron-Core's Muon leaves the MoE router to AdamW too (its registry's default
+  per-parameter override, which callers cannot extend).
 - `datasets`: the GPT dataset's cached loss mask, which kept the pad positions of the first
   sample a process served (so the loss depended on the DP layout with mock data).
 
@@ -68,13 +70,14 @@ def apply(*, cpu: bool | None = None) -> None:
     CUDA is absent. Call before building models or optimizers."""
     import torch
 
-    from pretrain.megatron_fixes import datasets, dist_checkpointing, import_cost, optimizer, quiet
+    from pretrain.megatron_fixes import datasets, dist_checkpointing, import_cost, muon, optimizer, quiet
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     quiet_cpu_fallback_warnings()
     fixes = [("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply),
-             ("import_cost", import_cost.apply), ("datasets", datasets.apply), ("quiet", quiet.apply)]
+             ("import_cost", import_cost.apply), ("datasets", datasets.apply), ("quiet", quiet.apply),
+             ("muon", muon.apply)]
     if cpu:
         from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 
@@ -87,9 +90,9 @@ def apply(*, cpu: bool | None = None) -> None:
 
 def modules() -> tuple:
     """Every fix module, each with its `SOURCES` (the pinned upstream objects and digests)."""
-    from pretrain.megatron_fixes import cpu, datasets, dist_checkpointing, fsdp, import_cost, optimizer
+    from pretrain.megatron_fixes import cpu, datasets, dist_checkpointing, fsdp, import_cost, muon, optimizer
 
-    return (cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets)
+    return (cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets, muon)
 
 
 def applied() -> frozenset[str]:
