@@ -42,7 +42,7 @@ MUST_MATCH = (
     "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.adam_beta1",
     "optimizer.adam_beta2", "optimizer.adam_eps", "optimizer.clip_grad", "schedule.warmup_steps",
     "schedule.global_batch_size", "schedule.seq_length", "runtime.seed", "data.blend", "data.demo",
-    "data.mock", "data.split", "data.tokenizer",
+    "data.mock", "data.split", "data.tokenizer", "optimizer.name", "optimizer.muon",
 )
 # The schedules whose LR is at its maximum after warmup: the only ones a cooldown can branch from.
 STABLE_STYLES = ("wsd", "constant")
@@ -88,10 +88,21 @@ def _saved_config(path: Path) -> dict:
     return saved
 
 
+def _saved_value(saved: dict, key: str):
+    """The saved config's value; a key it lacks (a run from before the key existed, e.g.
+    optimizer.name) holds that field's default, the behaviour before it."""
+    section, _, name = key.partition(".")
+    if isinstance(saved.get(section), dict) and name in saved[section]:
+        return saved[section][name]
+    model = ExperimentConfig.model_fields[section].annotation
+    default = model.model_fields[name].get_default(call_default_factory=True)
+    return json.loads(default.model_dump_json()) if hasattr(default, "model_dump_json") else default
+
+
 def _check_same_trajectory(config: ExperimentConfig, saved: dict, path: Path) -> None:
     mine = json.loads(config.model_dump_json())
-    diffs = [f"{key} {_dotted(saved, key)!r} there vs {_dotted(mine, key)!r} here"
-             for key in MUST_MATCH if _dotted(saved, key) != _dotted(mine, key)]
+    diffs = [f"{key} {_saved_value(saved, key)!r} there vs {_dotted(mine, key)!r} here"
+             for key in MUST_MATCH if _saved_value(saved, key) != _dotted(mine, key)]
     if diffs:
         raise _refuse(path, "the branch must continue the run that saved it with the same settings, but "
                       f"{'; '.join(diffs)}")

@@ -11,6 +11,7 @@ import pickle
 
 import pytest
 import torch
+import yaml
 
 from pretrain.checkpointing.format import CheckpointError, mark_complete, step_dir_name
 from pretrain.checkpointing.resume import plan_resume
@@ -31,7 +32,7 @@ STABLE = ["schedule.train_steps=6", "schedule.wsd_decay_steps=2"]
 BRANCH = [f"schedule.train_steps={K + C}", f"schedule.wsd_decay_steps={C}"]
 
 
-def _fake_checkpoint(root, step, overrides, has_optimizer=True):
+def _fake_checkpoint(root, step, overrides, has_optimizer=True, drop_optimizer_keys=()):
     """A checkpoint folder that passes every check a stat can make, with the config.yaml and
     meta.json a run of `overrides` writes (no model inside: the checks read no shard)."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -43,7 +44,10 @@ def _fake_checkpoint(root, step, overrides, has_optimizer=True):
     directory = root / step_dir_name(step)
     directory.mkdir(parents=True)
     (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
-    (directory / "config.yaml").write_text(dump_yaml(config))
+    saved = yaml.safe_load(dump_yaml(config))
+    for key in drop_optimizer_keys:  # as a run from before those keys existed saved it
+        del saved["optimizer"][key]
+    (directory / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     meta = training_meta(config, step, 1)
     meta.has_optimizer = has_optimizer
     meta.files = collect_file_table(directory)
@@ -90,6 +94,9 @@ REFUSALS = {
     "other-max-lr": ([], ["optimizer.lr=1e-3"], ["optimizer.lr 0.003 there vs 0.001 here"]),
     "other-min-lr": ([], ["optimizer.min_lr=0.0"], ["optimizer.min_lr 3e-05 there vs 0.0 here"]),
     "other-batch": ([], ["schedule.global_batch_size=16"], ["schedule.global_batch_size 8 there vs 16 here"]),
+    "other-optimizer": (["optimizer.name=muon"], [], ["optimizer.name 'muon' there vs 'adamw' here"]),
+    "other-muon": (["optimizer.name=muon"], ["optimizer.name=muon", "optimizer.muon.momentum=0.9"],
+                   ["optimizer.muon {", "'momentum': 0.95", "'momentum': 0.9,"]),
     "not-a-cooldown": ([], ["schedule.decay_style=cosine", "schedule.wsd_decay_steps=null"],
                        ["a branch is a cooldown", "decay_style=cosine"]),
     "cooldown-elsewhere": ([], ["schedule.train_steps=7"],
@@ -112,6 +119,14 @@ def test_a_branch_that_would_not_be_the_cooldown_is_refused(tmp_path, name):
     message = str(info.value)
     assert message.startswith(f"checkpoint.branch_from={source}: ") or name == "resume-none", message
     assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_a_source_from_before_the_optimizer_keys_reads_them_as_their_defaults(tmp_path):
+    """A stable run saved before optimizer.name / optimizer.muon existed ran AdamW."""
+    source = _stable(tmp_path, drop_optimizer_keys=("name", "muon"))
+    assert plan_resume(_branch_config(tmp_path, source), print).branch
+    with pytest.raises(CheckpointError, match="optimizer.name 'adamw' there vs 'muon' here"):
+        plan_resume(_branch_config(tmp_path, source, ["optimizer.name=muon"]), print)
 
 
 def test_a_missing_or_model_only_source_is_refused(tmp_path):
