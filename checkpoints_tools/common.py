@@ -203,6 +203,8 @@ def write_training_meta(out: Path, *, model: ModelConfig, layout: ParallelLayout
         consumed_tokens=consumed_samples * config.schedule.seq_length, world_size=world_size,
         layout=layout.model_dump(), layout_name=layout.describe(world_size), model=model.model_dump(),
         has_optimizer=has_optimizer, converted_by=provenance, files=collect_file_table(out),
+        # Whose state it is (a resume with the other optimizer is refused); none without state.
+        optimizer=config.optimizer.name if has_optimizer else None,
     ).write(out)
     mark_complete(out)
 

@@ -34,6 +34,8 @@ def test_chain_tp2pp2_to_tp1_to_tp4_keeps_logits(trained, tmp_path):
     assert (four["layout"], four["optimizer"]) == ("TP4xPP1xDP1", False)
     meta = json.loads((tp4 / "meta.json").read_text())
     assert meta["layout"]["tensor_parallel"] == 4 and meta["has_optimizer"] is False and meta["step"] == 3
+    # Whose optimizer state a kept one is (a resume with another optimizer is refused); none when dropped.
+    assert json.loads((tp1 / "meta.json").read_text())["optimizer"] == "adamw" and meta["optimizer"] is None
     assert (tp4 / "COMPLETE").is_file() and not any(k.startswith("optimizer.") for k in CheckpointReader(tp4).tensor_keys())
     # Cut for the target: per layer, 4 TP chunks of QKV, gate and up halves of fc1 each in 4.
     assert _chunks_per_layer(tp4, "decoder.layers.self_attention.linear_qkv.weight") == 4
