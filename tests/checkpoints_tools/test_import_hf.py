@@ -29,6 +29,27 @@ def tensors_of(directory) -> dict[str, torch.Tensor]:
         weights.close()
 
 
+def assert_model_tensors_equal(before_dir, after_dir, vocab: int) -> dict[str, torch.Tensor]:
+    """Every model tensor of two of our checkpoints is bit-identical, except the padded vocab
+    rows past `vocab`, which HF does not hold: after a trip through HF they must be zeros (never
+    looked up, their logits masked: models/padded_vocab.py). Returns the first one's tensors."""
+    from checkpoints_tools.dcp_io import CheckpointReader
+
+    def model_tensors(path) -> dict[str, torch.Tensor]:
+        reader = CheckpointReader(path)
+        return {k: reader.read(k) for k in reader.tensor_keys() if not k.startswith(("optimizer.", "chained_"))}
+
+    before, after = model_tensors(before_dir), model_tensors(after_dir)
+    assert sorted(before) == sorted(after)
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if key in after:
+            assert torch.equal(after[key][vocab:], torch.zeros_like(after[key][vocab:])), key
+            before[key], after[key] = before[key][:vocab], after[key][:vocab]
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, changed
+    return before
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama-tied", "mistral", "mixtral", "qwen3", "qwen3-tied"])
 def test_round_trip_is_bit_identical(hf_models, tmp_path, kind):
     src = hf_models[kind]
@@ -145,22 +166,9 @@ def test_qwen3_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):
     TP2 again): every model tensor, q/k norms included, comes back bit for bit, except the
     padded vocab rows (4000 -> 4096), which HF does not hold: they come back as zeros (never
     looked up, their logits masked: models/padded_vocab.py)."""
-    from checkpoints_tools.dcp_io import CheckpointReader
-
     run = trained["qwen3"]
     summary = export_hf(run.latest, tmp_path / "hf", with_tokenizer=False)
     assert summary["architecture"] == "Qwen3ForCausalLM"
     import_hf(tmp_path / "hf", tmp_path / "back", layout=ParallelLayout(tensor_parallel=2))
-
-    def model_tensors(path) -> dict[str, torch.Tensor]:
-        reader = CheckpointReader(path)
-        return {k: reader.read(k) for k in reader.tensor_keys() if not k.startswith(("optimizer.", "chained_"))}
-
-    before, after = model_tensors(run.latest), model_tensors(tmp_path / "back")
-    assert sorted(before) == sorted(after) and "decoder.layers.self_attention.q_layernorm.weight" in before
-    vocab = 4000
-    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        assert torch.equal(after[key][vocab:], torch.zeros_like(after[key][vocab:])), key
-        before[key], after[key] = before[key][:vocab], after[key][:vocab]
-    changed = [k for k in before if not torch.equal(before[k], after[k])]
-    assert not changed, changed
+    before = assert_model_tensors_equal(run.latest, tmp_path / "back", vocab=4000)
+    assert "decoder.layers.self_attention.q_layernorm.weight" in before
