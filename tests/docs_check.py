@@ -1,6 +1,6 @@
 """Check the commands written in the README and docs/ against the code: every `--flag` of a
-`python -m MODULE` command appears in that module's `--help`, and every `section.key=value`
-override names a key of the experiment config's schema.
+`python -m MODULE` command appears in that module's `--help`, every `--recipe NAME` is a
+recipe, and every `section.key=value` override names a key of the experiment config's schema.
 
     python -m tests.docs_check README.md docs/*.md     # exit 1 and one line per problem
 
@@ -102,13 +102,27 @@ def _schema_has(section: str, rest: str) -> bool:
     return True
 
 
+def _value_after(args: tuple[str, ...], flag: str):
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def problems(paths: list[Path]) -> list[str]:
     from pretrain.config.schema import ExperimentConfig
+
+    from pretrain.recipes import RECIPES
 
     sections = set(ExperimentConfig.model_fields)
     out = []
     for path in paths:
         for command in commands(path):
+            recipe = _value_after(command.args, "--recipe")
+            if recipe is not None and recipe not in RECIPES and not recipe.isupper():  # NAME = a placeholder
+                out.append(f"{command.where}: --recipe {recipe} is not a recipe ({', '.join(RECIPES)})")
             text = help_text(command.module)
             if text.startswith("<error") or not text.strip():
                 out.append(f"{command.where}: python -m {command.module} --help failed: {text or 'no output'}")

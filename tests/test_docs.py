@@ -64,6 +64,9 @@ def test_commands_in_readme_and_docs_use_real_options_and_keys():
 def test_docs_check_finds_a_bad_flag_and_a_bad_key(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```bash\npython -m pretrain --recipe tiny-llama --no-such-flag \\\n"
-                    "    schedule.train_stepz=3 optimizer.lr=1e-3\n```\n")
-    assert problems([page]) == [f"{page}:2: python -m pretrain has no option --no-such-flag",
-                                f"{page}:2: schedule.train_stepz is not a config key"]
+                    "    schedule.train_stepz=3 optimizer.lr=1e-3\n"
+                    "python -m launch.plan --recipe llama-9b --gpus 8  # a comment --not-a-flag\n```\n")
+    found = problems([page])
+    assert found[:2] == [f"{page}:2: python -m pretrain has no option --no-such-flag",
+                         f"{page}:2: schedule.train_stepz is not a config key"]
+    assert len(found) == 3 and found[2].startswith(f"{page}:4: --recipe llama-9b is not a recipe (tiny-llama, ")
