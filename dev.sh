@@ -122,8 +122,11 @@ case "${1:-}" in
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-for req in project["dependencies"] + extras["test"]:
-    if not req.startswith("torch"):
+reqs = project["dependencies"] + extras["test"]
+for req in reqs:
+    if req.startswith(project["name"] + "["):  # a self-reference (test -> docs): its extras' pins
+        reqs += [r for extra in req[len(project["name"]) + 1:-1].split(",") for r in extras[extra]]
+    elif not req.startswith("torch"):
         print(req)
 PYEOF
         "$py" -m pip install -q -r "$GVENV/requirements.txt"
