@@ -131,13 +131,11 @@ def mup_forward_differences(model: ModelConfig) -> list[str]:
     embedding multiplier, logit multiplier (None = its auto 1 / width_mult) and softmax scale."""
     if not model.use_mup:
         return []
-    width = model.mup_width_mult
-    output = model.mup_output_mult if model.mup_output_mult is not None else (1.0 / width if width != 1.0 else 1.0)
-    base = 1.0 if model.mup_base_head_dim is None else model.mup_base_head_dim ** 0.5
-    scale, plain = base / model.head_dim ** model.mup_attn_scale_power, model.head_dim ** -0.5
+    embedding, output, scale = model.mup_forward
+    plain = model.head_dim ** -0.5
     found = []
-    if model.mup_embedding_mult != 1.0:
-        found.append(f"embeddings x {model.mup_embedding_mult:g}")
+    if embedding != 1.0:
+        found.append(f"embeddings x {embedding:g}")
     if output != 1.0:
         found.append(f"logits x {output:g}")
     if not math.isclose(scale, plain, rel_tol=1e-12):

@@ -199,6 +199,17 @@ class ModelConfig(BaseModel):
         return self.hidden_size / (self.mup_base_hidden_size or self.hidden_size)
 
     @property
+    def mup_forward(self) -> tuple[float, float, float]:
+        """(embedding multiplier, logit multiplier, attention softmax scale) as Megatron-Core's
+        TransformerConfig derives them (transformer_config.py, __post_init__'s muP block)."""
+        if not self.use_mup:
+            return 1.0, 1.0, self.head_dim ** -0.5
+        width = self.mup_width_mult
+        output = self.mup_output_mult if self.mup_output_mult is not None else (1.0 / width if width != 1.0 else 1.0)
+        base = 1.0 if self.mup_base_head_dim is None else self.mup_base_head_dim ** 0.5
+        return self.mup_embedding_mult, output, base / self.head_dim ** self.mup_attn_scale_power
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
 

@@ -43,6 +43,10 @@ def test_dry_run_shows_the_mup_keys_and_old_configs_load_without_them():
     assert "use_mup: true" in text and "mup_base_hidden_size: 64" in text and "mup_attn_scale_power: 1.0" in text
     plain = resolve_config("tiny-llama", None, BASE).model
     assert not plain.use_mup and plain.mup_width_mult == 1.0
+    result = run_cli("pretrain", ["--recipe", "tiny-llama", "--dry-run", "--world-size", "1", *BASE, *MUP])
+    assert result.code == 0, result.output
+    assert ("# muP: width_mult 2, embeddings x 2, logits x 0.5, softmax scale 0.0625; hidden matrices' AdamW LR "
+            "and eps x 0.5") in result.output, result.output
 
 
 def _megatron_mup_config():
@@ -68,6 +72,8 @@ def test_transformer_config_carries_megatrons_mup_fields():
     assert ours.mup_output_mult == 0.5 == megatron.mup_output_mult
     assert ours.mup_embedding_mult == 2.0
     assert ours.softmax_scale == megatron.softmax_scale == 1.0 / model.head_dim  # muP: 1/d, not 1/sqrt(d)
+    # What the dry run and the HF export read: Megatron-Core's derived values.
+    assert model.mup_forward == (megatron.mup_embedding_mult, megatron.mup_output_mult, megatron.softmax_scale)
     explicit = model.model_copy(update={"mup_output_mult": 1.0})
     assert transformer_config(explicit, ParallelLayout(), config.runtime, spec="portable").mup_output_mult == 1.0
 
