@@ -1,7 +1,8 @@
 """The one place that builds Megatron-Core `TransformerConfig`, layer specs and `GPTModel` chunks.
 
 `build_model_chunks` applies parallelism in this order:
-  1. `transformer_config`: architecture + layout + precision + recompute -> TransformerConfig
+  1. `transformer_config`: architecture + layout + precision + recompute (+ Megatron-Core's muP
+     fields with model.use_mup) -> TransformerConfig
      (TP/PP/VPP sizes MUST be set there: without them every stage silently builds all layers).
   2. `layer_spec`: `te` (Transformer Engine fused modules; TE does SP and CP) or
      `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with

@@ -1,7 +1,7 @@
 """muP (issue 44) on Megatron-Core 0.19.2's own: the model.use_mup / mup_* keys refused where they
 cannot work, in one line before any process group; Megatron-Core's muP optimizer groups and init
 std in our training (compared with Megatron-Core's own TransformerConfig numbers); and the
-layout-invariant muP init, so TP2+SP, PP2 and ZeRO-3 DP2 train as one rank does: per-step loss
+layout-invariant muP init, so TP2+SP, PP2, PP2xVPP2, CP2 and ZeRO-3 DP2 train as one rank does: per-step loss
 and grad norm within 1e-5 relative and every final weight within 1e-5, fp32."""
 
 from __future__ import annotations
@@ -119,6 +119,8 @@ PARITY = BASE + MUP + [
 LAYOUTS = {
     "TP2+SP": (2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]),
     "PP2": (2, ["parallel.pipeline_parallel=2"]),
+    "PP2xVPP2": (2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"]),
+    "CP2": (2, ["parallel.context_parallel=2"]),  # our CP attention takes Megatron-Core's muP softmax scale
     "ZeRO3-DP2": (2, ["parallel.sharding=zero3"]),
 }
 
