@@ -76,7 +76,7 @@ class ModelConfig(BaseModel):
     mup_embedding_mult: float = Field(default=1.0, gt=0)
     mup_output_mult: Optional[float] = Field(default=None, gt=0)
     mup_base_head_dim: Optional[int] = Field(default=None, gt=0)
-    # 1.0 = muP (1/d), 0.5 = standard (1/sqrt(d)); other powers are neither.
+    # 1.0 = muP (1/d), 0.5 = standard (1/sqrt(d)); powers outside [0.5, 1] are neither: refused.
     mup_attn_scale_power: float = Field(default=1.0, ge=0.5, le=1.0)
 
     # Mixture of experts (None = dense).
