@@ -1,7 +1,7 @@
 """muP (issue 44) on Megatron-Core 0.19.2's own: the model.use_mup / mup_* keys refused where they
 cannot work, in one line before any process group; Megatron-Core's muP optimizer groups and init
 std in our training (compared with Megatron-Core's own TransformerConfig numbers); and the
-layout-invariant muP init, so TP2+SP, PP2, PP2xVPP2, CP2 and ZeRO-3 DP2 train as one rank does: per-step loss
+layout-invariant muP init, so TP2+SP, PP2, PP2xVPP2, CP2, ZeRO-3 DP2 and MoE EP2 train as one rank does: per-step loss
 and grad norm within 1e-5 relative and every final weight within 1e-5, fp32."""
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ LAYOUTS = {
 }
 
 
-def _train(root, tag: str, nproc: int, extra: list[str]):
-    results = run_ranks(nproc, "tests.pretrain.workers:train", recipe="tiny-llama", overrides=PARITY + extra + [
+def _train(root, tag: str, nproc: int, extra: list[str], recipe: str = "tiny-llama"):
+    results = run_ranks(nproc, "tests.pretrain.workers:train", recipe=recipe, overrides=PARITY + extra + [
         f"checkpoint.dir={root / tag / 'ckpt'}", f"logging.run_dir={root / tag}"])
     reader = CheckpointReader(root / tag / "ckpt" / f"step_{STEPS:08d}")
     weights = {k: reader.read(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
@@ -150,3 +150,17 @@ def test_mup_layout_matches_one_rank(name, one_rank, tmp_path):
     assert weights.keys() == want_weights.keys() and any("decoder.layers" in k for k in weights)
     worst = max((weights[k] - want_weights[k]).abs().max().item() for k in weights)
     assert worst <= 1e-5, f"muP {name}: final weights differ by up to {worst:.2e}"
+
+
+@pytest.mark.distributed
+def test_mup_moe_ep2_matches_one_rank(tmp_path):
+    """tiny-moe (4 experts, top-2): the 2-D router and the experts are hidden matrices to
+    Megatron-Core's muP (init / sqrt(m), LR / m); EP2 holds half the experts per rank."""
+    want_losses, want_norms, want_weights = _train(tmp_path, "one", 1, [], recipe="tiny-moe")
+    losses, norms, weights = _train(tmp_path, "ep2", 2, ["parallel.expert_parallel=2"], recipe="tiny-moe")
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    assert_steps_close(losses, want_losses, rtol=1e-5, what="muP MoE EP2 loss vs one rank")
+    assert_steps_close(norms, want_norms, rtol=1e-5, what="muP MoE EP2 grad norm vs one rank")
+    assert weights.keys() == want_weights.keys() and any(".experts." in k for k in weights)
+    worst = max((weights[k] - want_weights[k]).abs().max().item() for k in weights)
+    assert worst <= 1e-5, f"muP MoE EP2: final weights differ by up to {worst:.2e}"
