@@ -8,6 +8,7 @@ transformers 5), and both `torch_dtype` and `dtype`, so either reader takes it a
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -125,6 +126,23 @@ def _qwen3_moe_config(model: ModelConfig) -> dict:
             "router_aux_loss_coef": model.moe_aux_loss_coeff, "output_router_logits": False}
 
 
+def mup_forward_differences(model: ModelConfig) -> list[str]:
+    """Where a muP model's forward differs from the plain decoder HF configs describe: Megatron-Core's
+    embedding multiplier, logit multiplier (None = its auto 1 / width_mult) and softmax scale."""
+    if not model.use_mup:
+        return []
+    embedding, output, scale = model.mup_forward
+    plain = model.head_dim ** -0.5
+    found = []
+    if embedding != 1.0:
+        found.append(f"embeddings x {embedding:g}")
+    if output != 1.0:
+        found.append(f"logits x {output:g}")
+    if not math.isclose(scale, plain, rel_tol=1e-12):
+        found.append(f"attention softmax scale {scale:g} instead of 1/sqrt(head_dim) = {plain:g}")
+    return found
+
+
 def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
                  bos_id: Optional[int], eos_id: Optional[int]) -> dict:
     family = hf_family(model)
@@ -133,6 +151,12 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
     if architecture not in FAMILY_ARCHITECTURES[family]:
         raise HFConfigError(f"{architecture} cannot hold this model (LayerNorm/GELU/learned positions: "
                             f"{family == 'gpt2'}; q/k norms: {model.qk_layernorm}); use {default_architecture(model)}")
+    mup = mup_forward_differences(model)
+    if mup:
+        raise HFConfigError(f"model.use_mup: {'; '.join(mup)}; {architecture}'s config has no field for it, so "
+                            "transformers would compute other logits; export is refused (train with "
+                            "mup_embedding_mult=1, mup_output_mult=1 and mup_base_head_dim=head_dim (at "
+                            "mup_attn_scale_power=1: sqrt(d)/d) to export, or serve from the Megatron checkpoint)")
     if model.is_moe != (architecture in MOE_ARCHITECTURES):
         kind = "a mixture-of-experts" if model.is_moe else "a dense"
         raise HFConfigError(f"{architecture} cannot hold {kind} model; use "

@@ -1,7 +1,8 @@
 """The one place that builds Megatron-Core `TransformerConfig`, layer specs and `GPTModel` chunks.
 
 `build_model_chunks` applies parallelism in this order:
-  1. `transformer_config`: architecture + layout + precision + recompute -> TransformerConfig
+  1. `transformer_config`: architecture + layout + precision + recompute (+ Megatron-Core's muP
+     fields with model.use_mup) -> TransformerConfig
      (TP/PP/VPP sizes MUST be set there: without them every stage silently builds all layers).
   2. `layer_spec`: `te` (Transformer Engine fused modules; TE does SP and CP) or
      `portable` (torch-native; our SP-aware norm, our CP attention at CP > 1), both with
@@ -19,6 +20,7 @@ Wrapping for training (DDP, optimizer) is `pretrain.wrap.wrap_for_training`'s jo
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Literal, Optional
 
 import torch
@@ -147,7 +149,31 @@ def transformer_config(
         kwargs.update(cp_comm_type=_TE_CP_COMM[layout.cp_comm_type or "p2p"])
     if model.is_moe:
         kwargs.update(_moe_kwargs(model, layout, spec, runtime.moe_grouped_gemm))
-    return TransformerConfig(**kwargs)
+    if not model.use_mup:
+        return TransformerConfig(**kwargs)
+    kwargs.update(_mup_kwargs(model))
+    with warnings.catch_warnings():
+        # Megatron-Core warns that a custom init_method "may break MuP initialization": ours
+        # (_keep) draws nothing; models/init.py draws Megatron-Core's muP init per global name.
+        warnings.filterwarnings("ignore", message="use_mup is enabled, but custom")
+        config = TransformerConfig(**kwargs)
+    if model.mup_output_mult is not None:
+        # Megatron-Core takes 1.0 as "unset" and replaces it by 1 / width_mult; an explicit
+        # value, 1.0 included, is what the user asked for.
+        config.mup_output_mult = model.mup_output_mult
+    return config
+
+
+def _mup_kwargs(model: ModelConfig) -> dict:
+    """Megatron-Core's muP fields (it derives width_mult, softmax_scale and the output multiplier)."""
+    return dict(
+        use_mup=True,
+        mup_base_hidden_size=model.mup_base_hidden_size,
+        mup_embedding_mult=model.mup_embedding_mult,
+        mup_output_mult=model.mup_output_mult or 1.0,
+        mup_base_head_dim=model.mup_base_head_dim,
+        mup_attn_scale_power=model.mup_attn_scale_power,
+    )
 
 
 _TE_CP_COMM = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather"}

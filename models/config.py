@@ -62,6 +62,23 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = False
     init_std: float = Field(default=0.02, gt=0)
 
+    # muP (maximal update parametrization) on Megatron-Core's own: TransformerConfig's use_mup,
+    # mup_* (same names, same defaults; transformer_config.py) and Megatron-Core's optimizer rule
+    # (optimizer.get_mup_config_overrides: AdamW LR and eps of hidden matrices / width_mult).
+    # width_mult = hidden_size / mup_base_hidden_size; None = hidden_size (width_mult 1).
+    # Init: hidden matrices std / sqrt(width_mult), embedding and output layer unscaled.
+    # Forward: embeddings x mup_embedding_mult, logits x mup_output_mult (None = Megatron's
+    # auto 1 / width_mult), attention softmax scale sqrt(mup_base_head_dim) / head_dim **
+    # mup_attn_scale_power (base_head_dim None: 1 / head_dim ** power). Tied embeddings are
+    # allowed: Megatron-Core keeps the shared matrix at the base LR and scales the logits.
+    use_mup: bool = False
+    mup_base_hidden_size: Optional[int] = Field(default=None, gt=0)
+    mup_embedding_mult: float = Field(default=1.0, gt=0)
+    mup_output_mult: Optional[float] = Field(default=None, gt=0)
+    mup_base_head_dim: Optional[int] = Field(default=None, gt=0)
+    # 1.0 = muP (1/d), 0.5 = standard (1/sqrt(d)); powers outside [0.5, 1] are neither: refused.
+    mup_attn_scale_power: float = Field(default=1.0, ge=0.5, le=1.0)
+
     # Mixture of experts (None = dense).
     num_experts: Optional[int] = Field(default=None, gt=0)
     moe_router_topk: int = Field(default=2, gt=0)
@@ -141,6 +158,18 @@ class ModelConfig(BaseModel):
             set_without_experts.append("moe_router_pre_softmax")
         if self.num_experts is None and set_without_experts:
             raise ValueError(f"{', '.join(set_without_experts)} need(s) a MoE model; set num_experts")
+        if not self.use_mup:
+            mup_keys = {"mup_base_hidden_size": None, "mup_embedding_mult": 1.0, "mup_output_mult": None,
+                        "mup_base_head_dim": None, "mup_attn_scale_power": 1.0}
+            set_keys = [k for k, default in mup_keys.items() if getattr(self, k) != default]
+            if set_keys:
+                # Megatron-Core reads them only with use_mup: they would silently do nothing.
+                raise ValueError(f"{set_keys[0]} is set but use_mup=false; set use_mup=true or remove it")
+        elif self.mup_base_hidden_size is not None and self.mup_base_hidden_size > self.hidden_size:
+            # width_mult < 1 would raise hidden LRs above the tuned base LR: a base wider than
+            # the model is a swapped pair, not a proxy.
+            raise ValueError(f"mup_base_hidden_size={self.mup_base_hidden_size} exceeds hidden_size="
+                             f"{self.hidden_size}; the base is the small proxy model's width (<= hidden_size)")
         if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
             raise ValueError("moe_pad_to_capacity=true needs moe_capacity_factor (the capacity to pad to)")
         return self
@@ -161,6 +190,24 @@ class ModelConfig(BaseModel):
     @property
     def gated(self) -> bool:
         return self.activation == "swiglu"
+
+    @property
+    def mup_width_mult(self) -> float:
+        """hidden_size / mup_base_hidden_size (Megatron-Core's formula); 1.0 without muP."""
+        if not self.use_mup:
+            return 1.0
+        return self.hidden_size / (self.mup_base_hidden_size or self.hidden_size)
+
+    @property
+    def mup_forward(self) -> tuple[float, float, float]:
+        """(embedding multiplier, logit multiplier, attention softmax scale) as Megatron-Core's
+        TransformerConfig derives them (transformer_config.py, __post_init__'s muP block)."""
+        if not self.use_mup:
+            return 1.0, 1.0, self.head_dim ** -0.5
+        width = self.mup_width_mult
+        output = self.mup_output_mult if self.mup_output_mult is not None else (1.0 / width if width != 1.0 else 1.0)
+        base = 1.0 if self.mup_base_head_dim is None else self.mup_base_head_dim ** 0.5
+        return self.mup_embedding_mult, output, base / self.head_dim ** self.mup_attn_scale_power
 
     @property
     def is_moe(self) -> bool:

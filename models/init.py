@@ -19,6 +19,7 @@ import re
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.utils import init_method_normal, mup_scaled_init_method_normal, scaled_init_method_normal
 
 from models.config import ModelConfig
 
@@ -28,7 +29,8 @@ _EXPERT_RE = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 # Transformer Engine's grouped GEMM (TEGroupedMLP): experts.linear_fc1.weight<local>
 _GROUPED_EXPERT_RE = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
 # Output-side projections (attention, dense MLP, routed and shared experts) get
-# std / sqrt(2 L) (GPT-2 / Megatron "scaled init", Megatron's output_layer_init_method).
+# std / sqrt(2 L) (GPT-2 / Megatron "scaled init", Megatron's output_layer_init_method;
+# under muP also / sqrt(width_mult), Megatron's mup_scaled_init_method_normal).
 _SCALED = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 
@@ -113,6 +115,22 @@ def _global_shape(param: torch.nn.Parameter, name: str) -> list[int]:
     return shape
 
 
+def _init_method(name: str, model: ModelConfig):
+    """Megatron-Core's init method for this parameter: the one TransformerConfig.__post_init__
+    picks (its muP variants when model.use_mup), so our draw is Megatron's, only seeded by name."""
+    if name.startswith("embedding.") or name == "output_layer.weight":
+        # embedding_init_method: unscaled under muP; muP's untied output layer uses it too
+        # (gpt_model.py), and without muP init_method has the same std.
+        return init_method_normal(model.init_std)
+    if name.endswith(_SCALED):
+        if model.use_mup:
+            return mup_scaled_init_method_normal(model.init_std, model.num_layers, model.mup_width_mult)
+        return scaled_init_method_normal(model.init_std, model.num_layers)
+    if model.use_mup:  # hidden matrices: std / sqrt(width_mult)
+        return init_method_normal(model.init_std / math.sqrt(model.mup_width_mult))
+    return init_method_normal(model.init_std)
+
+
 def _draw(name: str, shape: list[int], model: ModelConfig, seed: int, device) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     is_norm = "norm" in name
@@ -120,12 +138,9 @@ def _draw(name: str, shape: list[int], model: ModelConfig, seed: int, device) ->
         return torch.zeros(shape, device=device)
     if is_norm:  # norm weights (incl. TE's fused layer_norm_weight and the q/k norms' q_layernorm/k_layernorm)
         return torch.ones(shape, device=device)
-    std = model.init_std
-    if name.endswith(_SCALED):
-        std = std / math.sqrt(2.0 * model.num_layers)
     gen = torch.Generator(device=device)
     gen.manual_seed(_seed_for(seed, name))
-    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+    return _init_method(name, model)(torch.empty(shape, device=device), generator=gen)
 
 
 @torch.no_grad()

@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         validate_inputs(config)
         print(dump_yaml(config), end="")
         print(f"# valid for world size {world}: {config.parallel.describe(world)}")
+        if config.model.use_mup:
+            embedding, output, scale = config.model.mup_forward
+            print(f"# muP: width_mult {config.model.mup_width_mult:g}, embeddings x {embedding:g}, logits x "
+                  f"{output:g}, softmax scale {scale:g}; hidden matrices' AdamW LR and eps x {1 / config.model.mup_width_mult:g}")
         if config.parallel.uneven_pipeline:
             from models.layout import pipeline_split
 

@@ -9,7 +9,8 @@ Order (each step needs the previous one):
      across `hsdp_replicas`).
   2. `get_megatron_optimizer`: AdamW (Transformer Engine's FusedAdam on GPU, torch's
      AdamW on CPU), mixed-precision wrapper, distributed optimizer (ZeRO-1) if asked; or
-     Muon for the hidden matrices + AdamW for the rest (pretrain/muon.py).
+     Muon for the hidden matrices + AdamW for the rest (pretrain/muon.py). With model.use_mup,
+     Megatron-Core's muP param-group overrides (hidden matrices' LR and eps / width_mult).
   3. Hooks on the TransformerConfig that the schedules call: no_sync for gradient
      accumulation across microbatches, finalize_model_grads (DP reduce, tied-embedding
      and sequence-parallel norm reduces, per-token loss scaling), grad_scale_func (fp16).
@@ -26,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer, get_mup_config_overrides, get_standard_config_overrides
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
@@ -59,7 +60,14 @@ def wrap_for_training(chunks: list[torch.nn.Module], config: ExperimentConfig) -
         for m in model:
             m.broadcast_params()  # DP replicas start identical (they already do; cheap insurance)
     mcfg = _optimizer_config(config, sharding)
-    overrides = muon_param_overrides(mcfg, config) if config.optimizer.name == "muon" else None
+    overrides = None  # Megatron-Core's standard ones (no weight decay on biases and 1-D params)
+    if config.optimizer.name == "muon":
+        overrides = muon_param_overrides(mcfg, config)
+    elif config.model.use_mup:
+        # What Megatron-LM's training.py does for --use-mup: the standard overrides plus muP's
+        # (hidden matrices' max/min LR and Adam eps / width_mult; embedding, output, norms at base).
+        overrides = {**get_standard_config_overrides(mcfg),
+                     **get_mup_config_overrides(mcfg, tconfig.mup_width_mult, mcfg.optimizer)}
     optimizer = get_megatron_optimizer(mcfg, model, config_overrides=overrides)
 
     tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync

@@ -120,6 +120,12 @@ def _check_muon(config: ExperimentConfig, dp_cp: int) -> None:
     opt = config.optimizer
     if opt.name != "muon":
         return
+    if config.model.use_mup:
+        # get_mup_config_overrides leaves Muon's matrices to Muon's own scale_mode: only the
+        # init and multipliers would be muP, the update size of the hidden matrices would not.
+        raise ConfigError("model.use_mup=true with optimizer.name=muon: Megatron-Core 0.19's muP LR rule skips "
+                          "Muon-managed matrices (Muon's scale_mode sizes their updates), so muP would be half "
+                          "applied; use optimizer.name=adamw with muP, or model.use_mup=false with Muon")
     sharding, muon = data_parallel_sharding(config), opt.muon
     if sharding in ("zero2", "zero3"):
         raise ConfigError(f"optimizer.name=muon with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "

@@ -266,3 +266,26 @@ def stuck_in_checkpoint_save(overrides: list[str]) -> dict:
 
     Checkpointer.save_now = save_now
     return {"code": loop.main_train(resolve_config("tiny-llama", None, overrides))}
+
+
+def mup_setup(recipe: str, overrides: list[str]) -> dict:
+    """Set up (no step); return each parameter's optimizer group (max_lr, min_lr, eps) and its
+    initial std, by local name: what muP's optimizer overrides and init did."""
+    from pretrain.cli import resolve_config
+    from pretrain.loop import setup
+    from pretrain.runtime import shutdown
+
+    config = resolve_config(recipe, None, overrides)
+    run = setup(config)
+    try:
+        models = [_gpt(chunk) for chunk in run.state.model]
+        names = {id(p): name for model in models for name, p in model.named_parameters()}
+        groups = {}
+        for group in run.state.optimizer.param_groups:
+            for p in group["params"]:
+                groups[names[id(p)]] = {"max_lr": group["max_lr"], "min_lr": group["min_lr"], "eps": group["eps"]}
+        stds = {name: p.detach().float().std().item() for model in models for name, p in model.named_parameters()}
+        return {"groups": groups, "stds": stds}
+    finally:
+        run.writer.close()
+        shutdown()
