@@ -181,7 +181,7 @@ def test_the_job_survives_the_loss_of_a_node(shrunk):
 
 
 def test_survivors_reform_at_dp2_and_match_the_uninterrupted_run(shrunk):
-    """The 2 torchruns left re-form (restart count 1, world 2), resume resharded DP3 -> DP2
+    """The 2 torchruns left re-form (world 2), resume resharded DP3 -> DP2
     from the last complete checkpoint; steps before the crash bitwise equal to the DP3 run,
     the re-run ones and those after within 1e-5."""
     job_id, run_dir, reference_dir, facts = shrunk
@@ -219,7 +219,11 @@ def test_what_the_workers_are_told_before_and_after(shrunk):
     assert sorted(e["SLURMD_NODENAME"] for e in after) == survivors, after
     assert {e["WORLD_SIZE"] for e in after} == {"2"} and sorted(e["RANK"] for e in after) == ["0", "1"], after
     assert {e["GROUP_WORLD_SIZE"] for e in after} == {"2"}, after
-    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in after} == {"1"}, after
+    # Per agent, not per group: an agent whose workers failed counts a restart; one whose
+    # workers were still healthy (blocked in a collective) when the other re-joined is
+    # restarted for the membership change, uncounted (seen: mn1 0, mn2 1). Not a generation id.
+    counts = {e["TORCHELASTIC_RESTART_COUNT"] for e in after}
+    assert "1" in counts and counts <= {"0", "1"}, after
     # Slurm's view, unchanged inside the running step: still 3 nodes.
     assert {e["SLURM_JOB_NUM_NODES"] for e in after} == {"3"}, after
     print("\nworkers before:", before, "\nworkers after:", after)
