@@ -105,7 +105,8 @@ def _watch_shrink(job_id: str, env: dict, run_dir: Path, t0: float, facts: dict)
         brief = [(e["SLURMD_NODENAME"], e["RANK"], e["WORLD_SIZE"], e["TORCHELASTIC_RESTART_COUNT"]) for e in workers]
         if not facts["workers_seen"] or facts["workers_seen"][-1][1] != brief:
             facts["workers_seen"].append((now, brief))
-        if "workers_after" not in facts and workers and all(e["WORLD_SIZE"] == "2" for e in workers):
+        # Both survivors' new workers: one torchrun may start its worker before the other does.
+        if "workers_after" not in facts and len(workers) == 2 and all(e["WORLD_SIZE"] == "2" for e in workers):
             facts["workers_after"] = workers
             facts["respawned"] = now
         if len(_records(run_dir)) > count:
