@@ -2,7 +2,8 @@
 
 The elastic run itself (a node lost mid-run, the survivor re-forming at the smaller DP and
 matching the uninterrupted run) is a job on the multi-node Slurm cluster in
-tests/launch/test_multinode_faults.py.
+tests/launch/test_multinode_faults.py (2 nodes -> 1) and tests/launch/test_multinode_elastic.py
+(3 nodes -> 2: the survivors re-form across hosts).
 """
 
 from __future__ import annotations
