@@ -1,4 +1,6 @@
-"""Fit scaling laws to a table of finished training runs.
+"""Design IsoFLOP sweeps and fit scaling laws to a table of finished training runs.
+
+    python -m launch.scaling design --recipe tiny-llama --budgets 2e12 4e12 8e12 --dry-run   (launch/scaling/design.py)
 
     python -m launch.scaling fit tests/launch/fixtures/scaling/chinchilla_epoch_points.csv --approach 3
     python -m launch.scaling fit runs/sweep/results.csv --approach 2 --bootstrap 500 --plot runs/sweep/scaling
@@ -154,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launch.scaling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    from launch.scaling.design import add_parser as add_design
+
+    add_design(sub)
     fit = sub.add_parser("fit", help="fit approach 2 (IsoFLOP) or 3 (parametric L(N, D))")
     fit.add_argument("results", help="CSV with params, tokens, loss (or launch.sweep's results.csv)")
     fit.add_argument("--approach", type=int, choices=(2, 3), required=True)
@@ -167,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "val_loss, final_loss present)")
     fit.add_argument("--grid", choices=sorted(chinchilla.GRIDS), default="coarse",
                      help="approach 3 starting grid: coarse (243 starts, default) or epoch (the replication's 4500)")
+    fit.set_defaults(func=fit_command)
     fit.add_argument("--group-tolerance", type=float, default=0.25,
                      help="approach 2: runs within (1+tol) x of a budget's smallest C share it (default 0.25)")
     return parser
@@ -174,4 +180,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli(lambda: fit_command(args), bad_input=(ScalingInputError,))
+    return run_cli(lambda: args.func(args), bad_input=(ScalingInputError,))

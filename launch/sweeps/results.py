@@ -73,6 +73,8 @@ def summarize(point: Point) -> dict:
     sched = point.config.schedule
     tokens_per_step = sched.global_batch_size * sched.seq_length
     row = {"point": point.name, **point.labels, "gpus": point.gpus, "params": total_params(point.config.model)}
+    if point.budget_flops is not None:  # an IsoFLOP point: the budget it was designed for
+        row["compute"] = point.budget_flops
     status = "finished" if is_finished(point) else ("incomplete" if records else "not run")
     row["status"] = status
     if not records:
@@ -133,6 +135,8 @@ def _fmt(value) -> str:
 def write_tables(rows: list[dict], axes: list[str], out_dir: Path, fit: Optional[dict]) -> tuple[Path, Path]:
     """results.csv (every column) and results.md (a markdown table + the fit)."""
     columns = [COLUMNS[0], *axes, *COLUMNS[1:]]
+    if any("compute" in row for row in rows):  # launch.scaling fit groups budgets by it
+        columns.insert(columns.index("flops") + 1, "compute")
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "results.csv"
     with csv_path.open("w", newline="") as f:
