@@ -229,7 +229,8 @@ def design_command(args) -> int:
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(f"[design] wrote {out}: {len(points)} points, {args.sizes} sizes at each of {len(budgets)} budgets; run it with "
+    print(f"[design] wrote {out}: {len(points)} points ({len(spec['grid']['model'])} sizes, {len(budgets)} budgets); "
+          "run it with "
           f"python -m launch.sweep {out}")
     return 0
 

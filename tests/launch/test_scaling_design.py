@@ -85,3 +85,8 @@ def test_exclude_entries_are_checked(tmp_path):
 def test_bad_input_is_one_line_exit_2(tmp_path, argv, names):
     expect_refusal("launch.scaling", ["design", *argv, "--out", str(tmp_path / "s.yaml")], names=names,
                    cwd=tmp_path, subprocess=True)
+
+
+def test_heldout_needs_a_sweep_folder(tmp_path):
+    expect_refusal("launch.scaling", ["heldout", str(tmp_path / "nowhere")], names=["results.csv"],
+                   cwd=tmp_path, subprocess=True)
