@@ -2,6 +2,7 @@
 
     python -m launch.scaling design --recipe tiny-llama --budgets 2e12 4e12 8e12 --dry-run   (launch/scaling/design.py)
     python -m launch.scaling heldout runs/sweeps/isoflop-tiny-llama   (the val_loss noise: launch/scaling/heldout.py)
+    python -m launch.scaling study --out runs/scaling-study   (ladder, fit, predict, check: launch/scaling/study.py)
 
     python -m launch.scaling fit tests/launch/fixtures/scaling/chinchilla_epoch_points.csv --approach 3
     python -m launch.scaling fit runs/sweep/results.csv --approach 2 --bootstrap 500 --plot runs/sweep/scaling
@@ -159,9 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from launch.scaling.design import add_parser as add_design
     from launch.scaling.heldout import add_parser as add_heldout
+    from launch.scaling.study import add_parser as add_study
 
     add_design(sub)
     add_heldout(sub)
+    add_study(sub)
     fit = sub.add_parser("fit", help="fit approach 2 (IsoFLOP) or 3 (parametric L(N, D))")
     fit.add_argument("results", help="CSV with params, tokens, loss (or launch.sweep's results.csv)")
     fit.add_argument("--approach", type=int, choices=(2, 3), required=True)
