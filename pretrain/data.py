@@ -26,6 +26,12 @@ class Datasets:
     train: object
     valid: Optional[object]
     tokenizer: object
+    heldout: Optional[object] = None  # schedule.final_eval_steps' validation samples
+
+
+def heldout_samples(config: ExperimentConfig) -> int:
+    """Samples of the final held-out evaluation (schedule.final_eval_steps batches)."""
+    return config.schedule.final_eval_steps * config.schedule.global_batch_size
 
 
 def document_masking(config: ExperimentConfig):
@@ -51,12 +57,17 @@ def build_datasets(config: ExperimentConfig, world_size: int) -> Datasets:
         prefix, tokenizer_spec = ensure_demo_dataset(os.path.dirname(demo_prefix(config)))
         blend = [(1.0, prefix)]
     tokenizer = load_tokenizer(tokenizer_spec or "byte")
-    train, valid, _ = build_gpt_datasets(
-        blend=blend, split=data.split, seq_length=sched.seq_length, seed=config.runtime.seed,
-        num_samples=sample_counts(config), tokenizer=tokenizer, cache_dir=cache_dir, mock=data.mock,
-        documents=document_masking(config),
-    )
-    return Datasets(train=train, valid=valid, tokenizer=tokenizer)
+    common = dict(blend=blend, split=data.split, seq_length=sched.seq_length, seed=config.runtime.seed,
+                  tokenizer=tokenizer, cache_dir=cache_dir, mock=data.mock, documents=document_masking(config))
+    train, valid, _ = build_gpt_datasets(num_samples=sample_counts(config), **common)
+    heldout = None
+    if sched.final_eval_steps:
+        # Its own build, asked for exactly its samples: Megatron's document and sample shuffles
+        # depend on the number of epochs a request needs, so the periodic evaluations' dataset
+        # (sized by train_steps / eval_interval) could order the documents differently from one
+        # run to the next. This one depends only on the data, seed, seq_length and batch.
+        heldout = build_gpt_datasets(num_samples=(0, heldout_samples(config), 0), **common)[1]
+    return Datasets(train=train, valid=valid, tokenizer=tokenizer, heldout=heldout)
 
 
 def _sample_indices(consumed: int, total: int, micro_batch: int, dp_size: int, dp_rank: int) -> Iterator[list[int]]:

@@ -40,7 +40,7 @@ from pretrain.observe.timers import StepTimers, install as install_timers
 from pretrain.observe.trackers import open_trackers
 from pretrain.observe.watchdog import Watchdog, enable_flight_recorder
 from pretrain.signals import StopDuringSetup, StopRequest
-from pretrain.step import evaluate, train_step
+from pretrain.step import evaluate, evaluate_batches, train_step
 from pretrain.wrap import TrainingState, wrap_for_training
 
 
@@ -222,6 +222,9 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
             if sched.eval_interval and step % sched.eval_interval == 0 and run.datasets.valid is not None:
                 with watchdog.batches("evaluation", sched.eval_steps) as begin_batch:
                     _run_eval(run, step, begin_batch)
+            if step == sched.train_steps and run.datasets.heldout is not None:
+                with watchdog.batches("held-out evaluation", sched.final_eval_steps) as begin_batch:
+                    _run_heldout_eval(run, step, begin_batch)
             excluded += time.perf_counter() - paused
             reason = stop.reason()
             paused = time.perf_counter()
@@ -280,6 +283,19 @@ def _run_eval(run: Run, step: int, begin_batch) -> None:
     loss = evaluate(run.state, iters, run.config, run.num_microbatches, begin_batch)
     if loss is not None:
         run.writer.log_eval(step, loss)
+
+
+def _run_heldout_eval(run: Run, step: int, begin_batch) -> None:
+    """The final held-out loss (schedule.final_eval_steps): its mean and the standard error of
+    that mean over the batches, each batch's loss kept so the noise can be studied later."""
+    from pretrain.data import heldout_samples
+
+    n = heldout_samples(run.config)
+    iters = chunk_iterators(run.datasets.heldout, run.config, 0, n)
+    losses = evaluate_batches(run.state, iters, run.config, run.num_microbatches, run.config.schedule.final_eval_steps,
+                              begin_batch)
+    if losses:
+        run.writer.log_heldout(step, losses)
 
 
 def main_train(config: ExperimentConfig) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import resource
 import sys
 from pathlib import Path
@@ -145,6 +146,24 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.add_scalar("eval/loss", loss, step)
         print(f"eval  step {step:>6} | loss {loss:.4f}", flush=True)
+
+    def log_heldout(self, step: int, losses: list[float]) -> None:
+        """The final held-out evaluation: mean loss, its standard error over the batches (the
+        spread of per-batch means / sqrt(batches); None from one batch) and every batch's loss."""
+        if not self.enabled:
+            return
+        mean = sum(losses) / len(losses)
+        se = (math.sqrt(sum((x - mean) ** 2 for x in losses) / (len(losses) - 1) / len(losses))
+              if len(losses) > 1 else None)
+        record = {"step": step, "val_loss": mean, "val_loss_se": se, "val_batches": len(losses),
+                  "val_batch_losses": losses}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.trackers:
+            self.trackers.log({"step": step, "val_loss": mean})
+        if self.tb is not None:
+            self.tb.add_scalar("eval/heldout_loss", mean, step)
+        print(f"held-out step {step:>6} | loss {mean:.4f}" + (f" ± {se:.4f} (s.e., {len(losses)} batches)" if se else ""),
+              flush=True)
 
     def close(self, failed: bool = False) -> None:
         if self.jsonl:

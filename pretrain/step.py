@@ -256,15 +256,22 @@ def evaluate(state: TrainingState, iterators: list, config: ExperimentConfig,
              num_microbatches: int, begin_batch=None) -> Optional[float]:
     """The mean loss over schedule.eval_steps forward-only batches; `begin_batch(i)` (the hang
     watchdog's) is called before batch i (1-based)."""
+    losses = evaluate_batches(state, iterators, config, num_microbatches, config.schedule.eval_steps, begin_batch)
+    return sum(losses) / len(losses) if losses else None
+
+
+def evaluate_batches(state: TrainingState, iterators: list, config: ExperimentConfig, num_microbatches: int,
+                     batches: int, begin_batch=None) -> list[float]:
+    """Each forward-only batch's loss, `batches` of them (empty on ranks without the loss)."""
     for chunk in state.model:
         chunk.eval()
-    total, count = 0.0, 0
-    for index in range(1, config.schedule.eval_steps + 1):
+    losses = []
+    for index in range(1, batches + 1):
         if begin_batch is not None:
             begin_batch(index)
         loss = _reduce_loss(run_schedule(state, iterators, config, num_microbatches, forward_only=True))
         if loss is not None:
-            total, count = total + loss, count + 1
+            losses.append(loss)
     for chunk in state.model:
         chunk.train()
-    return total / count if count else None
+    return losses

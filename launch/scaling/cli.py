@@ -1,11 +1,16 @@
-"""Fit scaling laws to a table of finished training runs.
+"""Design IsoFLOP sweeps and fit scaling laws to a table of finished training runs.
+
+    python -m launch.scaling design --recipe tiny-llama --budgets 2e12 4e12 8e12 --dry-run   (launch/scaling/design.py)
+    python -m launch.scaling heldout runs/sweeps/isoflop-tiny-llama   (the val_loss noise: launch/scaling/heldout.py)
+    python -m launch.scaling study --out runs/scaling-study   (ladder, fit, predict, check: launch/scaling/study.py)
 
     python -m launch.scaling fit tests/launch/fixtures/scaling/chinchilla_epoch_points.csv --approach 3
     python -m launch.scaling fit runs/sweep/results.csv --approach 2 --bootstrap 500 --plot runs/sweep/scaling
     python -m launch.scaling fit RESULTS.csv --approach 3 --json > fit.json
 
 RESULTS.csv needs columns params, tokens and loss (launch.sweep's results.csv works as it
-is: its final_loss is read as the loss, rows not `finished` are left out). Approach 3 fits
+is: its held-out val_loss is read as the loss, or its final_loss, the last training batch's,
+when the runs did not evaluate; --loss-column picks another; rows not `finished` are left out). Approach 3 fits
 L = E + A/N^alpha + B/D^beta (launch/scaling/chinchilla.py); approach 2 fits IsoFLOP
 parabolas (launch/scaling/isoflop.py). Intervals are 95% percentile bootstrap.
 Bad input: one line on stderr, exit 2, before any fitting.
@@ -96,7 +101,7 @@ def _fmt(entry: dict) -> str:
 
 def print_text(doc: dict, runs: Runs) -> None:
     skipped = f", {runs.skipped_unfinished} unfinished rows left out" if runs.skipped_unfinished else ""
-    print(f"approach {doc['approach']}: {doc['n_points']} runs{skipped}, "
+    print(f"approach {doc['approach']}: {doc['n_points']} runs{skipped}, loss column {runs.loss_column}, "
           f"{doc['n_bootstrap']} bootstrap refits, value [95% interval]")
     if doc["approach"] == 3:
         print("L(N, D) = E + A / N^alpha + B / D^beta")
@@ -130,11 +135,12 @@ def fit_command(args) -> int:
         raise ScalingInputError(f"--bootstrap {args.bootstrap}: must be >= 0")
     if args.group_tolerance <= 0:
         raise ScalingInputError(f"--group-tolerance {args.group_tolerance}: must be > 0 (e.g. 0.25)")
-    runs = read_runs(Path(args.results), args.compute_column)
+    runs = read_runs(Path(args.results), args.compute_column, args.loss_column)
     groups = _check(runs, args)
     start = time.monotonic()
     doc, fitted = run_approach3(runs, args) if args.approach == 3 else run_approach2(runs, groups, args)
     doc["fit_seconds"] = round(time.monotonic() - start, 2)
+    doc["loss_column"] = runs.loss_column
     if args.plot:
         from launch.scaling.plots import draw
 
@@ -152,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launch.scaling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    from launch.scaling.design import add_parser as add_design
+    from launch.scaling.heldout import add_parser as add_heldout
+    from launch.scaling.study import add_parser as add_study
+
+    add_design(sub)
+    add_heldout(sub)
+    add_study(sub)
     fit = sub.add_parser("fit", help="fit approach 2 (IsoFLOP) or 3 (parametric L(N, D))")
     fit.add_argument("results", help="CSV with params, tokens, loss (or launch.sweep's results.csv)")
     fit.add_argument("--approach", type=int, choices=(2, 3), required=True)
@@ -161,8 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--plot", metavar="DIR", help="write the PNG plots here")
     fit.add_argument("--compute-column", help="column holding each run's budget (default: `compute` if "
                                               "present, else 6*params*tokens)")
+    fit.add_argument("--loss-column", help="column holding each run's loss (default: the first of loss, "
+                                           "val_loss, final_loss present)")
     fit.add_argument("--grid", choices=sorted(chinchilla.GRIDS), default="coarse",
                      help="approach 3 starting grid: coarse (243 starts, default) or epoch (the replication's 4500)")
+    fit.set_defaults(func=fit_command)
     fit.add_argument("--group-tolerance", type=float, default=0.25,
                      help="approach 2: runs within (1+tol) x of a budget's smallest C share it (default 0.25)")
     return parser
@@ -170,4 +186,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli(lambda: fit_command(args), bad_input=(ScalingInputError,))
+    return run_cli(lambda: args.func(args), bad_input=(ScalingInputError,))

@@ -1,9 +1,10 @@
 """Read the runs a scaling fit needs: parameters N, training tokens D, final loss L.
 
 The table is a CSV with columns `params`, `tokens` and `loss`. `launch.sweep`'s results.csv
-names the loss `final_loss` and marks unfinished points in `status`, so `final_loss` is
-read when `loss` is absent and rows whose `status` is not `finished` are left out (an
-incomplete run's last loss is not its final loss). Every problem is a ScalingInputError
+has `val_loss` (the held-out loss of schedule.final_eval_steps) and `final_loss` (the last
+training batch's, one noisy batch) and marks unfinished points in `status`: the loss read is
+the first of `loss`, `val_loss`, `final_loss` in the header (or the one named), and rows whose
+`status` is not `finished` are left out (an incomplete run's last loss is not its final loss). Every problem is a ScalingInputError
 whose message names the row or column and the fix; the CLI prints it in one line, exit 2.
 """
 
@@ -17,7 +18,8 @@ from typing import Optional
 
 import numpy as np
 
-LOSS_COLUMNS = ("loss", "final_loss")  # ours first, then launch.sweep's name
+# Ours first, then launch.sweep's held-out loss, then its last training batch's.
+LOSS_COLUMNS = ("loss", "val_loss", "final_loss")
 
 
 class ScalingInputError(ValueError):
@@ -34,13 +36,14 @@ class Runs:
     compute: np.ndarray
     compute_source: str
     skipped_unfinished: int = 0
+    loss_column: str = "loss"
 
     def __len__(self) -> int:
         return len(self.loss)
 
     def subset(self, index: np.ndarray) -> "Runs":
         return Runs(self.params[index], self.tokens[index], self.loss[index], self.compute[index],
-                    self.compute_source)
+                    self.compute_source, loss_column=self.loss_column)
 
 
 def _number(row: dict, column: str, line: int) -> float:
@@ -56,7 +59,7 @@ def _number(row: dict, column: str, line: int) -> float:
     return value
 
 
-def read_runs(path: Path, compute_column: Optional[str] = None) -> Runs:
+def read_runs(path: Path, compute_column: Optional[str] = None, loss_column: Optional[str] = None) -> Runs:
     """The table's runs; compute from `compute_column`, else a `compute` column, else 6ND.
     (The sweep's `flops` column is not used by default: it counts attention and logits, so
     runs designed for one 6ND budget differ in it by model size and would split groups.)"""
@@ -68,7 +71,11 @@ def read_runs(path: Path, compute_column: Optional[str] = None) -> Runs:
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ScalingInputError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc} "
                                 "(give a readable CSV file with params,tokens,loss columns)") from None
-    loss_column = next((c for c in LOSS_COLUMNS if c in header), None)
+    if loss_column is None:
+        loss_column = next((c for c in LOSS_COLUMNS if c in header), None)
+    elif loss_column not in header:
+        raise ScalingInputError(f"{path}: --loss-column {loss_column} is not a column (header: "
+                                f"{','.join(header) or 'empty'})")
     missing = [c for c in ("params", "tokens") if c not in header] + ([] if loss_column else ["loss"])
     if compute_column is None and "compute" in header:
         compute_column = "compute"
@@ -90,7 +97,7 @@ def read_runs(path: Path, compute_column: Optional[str] = None) -> Runs:
         raise ScalingInputError(f"{path}: no finished runs to fit ({skipped} rows not finished)")
     arr = np.array(values, dtype=float)
     return Runs(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3],
-                compute_column or "6*params*tokens", skipped)
+                compute_column or "6*params*tokens", skipped, loss_column)
 
 
 def group_by_compute(compute: np.ndarray, tolerance: float) -> list[np.ndarray]:

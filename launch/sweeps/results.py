@@ -1,6 +1,10 @@
 """Collect a sweep's `metrics.jsonl` files into one table (CSV + markdown), fit a power law
 of final loss against training compute, and draw the PNG plots.
 
+`final_loss` is the last training batch's loss; `val_loss` (and its standard error over the
+batches, `val_loss_se`) is the held-out loss of `schedule.final_eval_steps`, empty when the run
+did not evaluate: scaling fits (`python -m launch.scaling fit`) use `val_loss` when present.
+
 Compute per run = models.flops.training_flops_per_token x tokens trained: the FLOPs the
 training metrics count (no recompute), so the x axis of the scaling plot and the TFLOP/s
 column come from the same formula.
@@ -17,7 +21,8 @@ from typing import Optional
 from launch.sweeps.spec import Point
 from models.flops import total_params, training_flops_per_token
 
-COLUMNS = ["point", "gpus", "params", "status", "steps", "tokens", "flops", "final_loss", "step_time_s",
+COLUMNS = ["point", "gpus", "params", "status", "steps", "tokens", "flops", "final_loss", "val_loss", "val_loss_se",
+           "step_time_s",
            "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_mem_gb"]
 
 
@@ -34,6 +39,21 @@ def read_metrics(path: Path) -> list[dict]:
         if "loss" in record and "step" in record:
             by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_heldout(path: Path) -> Optional[dict]:
+    """The final held-out evaluation's record (schedule.final_eval_steps), the last one logged."""
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "val_loss" in record:
+            found = record
+    return found
 
 
 def is_finished(point: Point) -> bool:
@@ -53,12 +73,17 @@ def summarize(point: Point) -> dict:
     sched = point.config.schedule
     tokens_per_step = sched.global_batch_size * sched.seq_length
     row = {"point": point.name, **point.labels, "gpus": point.gpus, "params": total_params(point.config.model)}
+    if point.budget_flops is not None:  # an IsoFLOP point: the budget it was designed for
+        row["compute"] = point.budget_flops
     status = "finished" if is_finished(point) else ("incomplete" if records else "not run")
     row["status"] = status
     if not records:
         return row
     steady = records[1:] if len(records) > 1 else records
     tokens = records[-1]["step"] * tokens_per_step
+    heldout = read_heldout(point.run_dir / "metrics.jsonl")
+    if heldout is not None and heldout["step"] == records[-1]["step"]:
+        row.update(val_loss=heldout["val_loss"], val_loss_se=heldout["val_loss_se"])
     row.update(
         steps=records[-1]["step"], tokens=tokens,
         flops=training_flops_per_token(point.config.model, sched.seq_length) * tokens,
@@ -110,6 +135,8 @@ def _fmt(value) -> str:
 def write_tables(rows: list[dict], axes: list[str], out_dir: Path, fit: Optional[dict]) -> tuple[Path, Path]:
     """results.csv (every column) and results.md (a markdown table + the fit)."""
     columns = [COLUMNS[0], *axes, *COLUMNS[1:]]
+    if any("compute" in row for row in rows):  # launch.scaling fit groups budgets by it
+        columns.insert(columns.index("flops") + 1, "compute")
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "results.csv"
     with csv_path.open("w", newline="") as f:
@@ -119,7 +146,7 @@ def write_tables(rows: list[dict], axes: list[str], out_dir: Path, fit: Optional
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
     if fit:
-        lines += ["", f"Power-law fit of final loss vs training compute over {fit['points']} finished runs: "
+        lines += ["", f"Power-law fit of {fit['loss_column']} vs training compute over {fit['points']} finished runs: "
                       f"L = {fit['a']:.4g} x C^-{fit['b']:.4g} (R^2 in log space {fit['r2']:.3f})."]
     md_path = out_dir / "results.md"
     md_path.write_text("\n".join(lines) + "\n")
@@ -198,10 +225,11 @@ def _plot_throughput(plt, rows: list[dict], path: Path) -> Path:
 
 def _plot_scaling(plt, rows: list[dict], fit: Optional[dict], path: Path) -> Path:
     done = [r for r in rows if r["status"] == "finished"]
+    key = fit["loss_column"] if fit else "final_loss"
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=90)
     for params in sorted({r["params"] for r in done}):
         mine = [r for r in done if r["params"] == params]
-        ax.scatter([r["flops"] for r in mine], [r["final_loss"] for r in mine], label=f"{params / 1e6:.2f}M params")
+        ax.scatter([r["flops"] for r in mine], [r[key] for r in mine], label=f"{params / 1e6:.2f}M params")
     if fit:
         lo, hi = min(r["flops"] for r in done), max(r["flops"] for r in done)
         xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
@@ -216,8 +244,8 @@ def _plot_scaling(plt, rows: list[dict], fit: Optional[dict], path: Path) -> Pat
     ax.xaxis.set_minor_formatter(matplotlib_ticker().FuncFormatter(
         lambda v, _: f"{v:.0e}" if f"{v:.0e}"[0] in "25" else ""))
     ax.set_xlabel("training compute C (FLOPs)")
-    ax.set_ylabel("final training loss L")
-    ax.set_title("final loss vs compute")
+    ax.set_ylabel("held-out loss L" if key == "val_loss" else "final training loss L")
+    ax.set_title(f"{key} vs compute")
     ax.grid(alpha=0.3, which="both")
     _legend(ax, fontsize=7)
     fig.tight_layout()
@@ -230,7 +258,11 @@ def collect(points: list[Point], axes: list[str], out_dir: Path) -> dict:
     """Tables, fit and plots for whatever has run so far; returns their paths and the fit."""
     rows = [summarize(p) for p in points]
     done = [r for r in rows if r["status"] == "finished"]
-    fit = fit_power_law([r["flops"] for r in done], [r["final_loss"] for r in done])
+    # The held-out loss when every finished run has one; the last training batch's otherwise.
+    key = "val_loss" if done and all(r.get("val_loss") is not None for r in done) else "final_loss"
+    fit = fit_power_law([r["flops"] for r in done], [r[key] for r in done])
+    if fit:
+        fit["loss_column"] = key
     (out_dir / "fit.json").parent.mkdir(parents=True, exist_ok=True)
     (out_dir / "fit.json").write_text(json.dumps(fit, indent=2) + "\n")
     csv_path, md_path = write_tables(rows, axes, out_dir, fit)

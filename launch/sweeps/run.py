@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[sweep] plots: {', '.join(str(p) for p in result['plots'])}")
     if result["fit"]:
         fit = result["fit"]
-        print(f"[sweep] power law: final loss = {fit['a']:.4g} x C^-{fit['b']:.4g} (R^2 {fit['r2']:.3f})")
+        print(f"[sweep] power law: {fit['loss_column']} = {fit['a']:.4g} x C^-{fit['b']:.4g} (R^2 {fit['r2']:.3f})")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     return 1 if failures else 0

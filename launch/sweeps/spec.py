@@ -16,11 +16,16 @@ config per combination of the grid's axes.
         - {gpus: 2, parallel.tensor_parallel: 2}
       lr: {optimizer.lr: [1.0e-3, 3.0e-3]}   # shorthand: one key, a list of values
       budget: {tokens: [1.0e6, 4.0e6]}       # token budget -> schedule.train_steps
+      # or a compute budget: {flops: [1.0e15, 4.0e15]} -> steps of models/flops.py's FLOPs
     slurm: {partition: debug, time: "30", cpu: true}   # launcher: slurm only
     cooldown_branches: true              # wsd budgets: one stable run + branches (sweeps/branches.py)
+    exclude: [{model: base, lr: lr0.003}]   # grid points left out, by their axes' labels
 
 Special choice keys: `label` (the choice's name in the point's name), `gpus` (world size,
-default 1), `tokens` (train_steps = ceil(tokens / (global batch x seq))). Every other key
+default 1), `tokens` (train_steps = ceil(tokens / (global batch x seq))), `flops` (a compute
+budget: train_steps = round(flops / training FLOPs per step of the point's model, the
+formula of models/flops.py), so a grid of sizes x budgets is an IsoFLOP sweep; see
+`python -m launch.scaling design`). Every other key
 is a config key, checked like a `key=value` override; every point is validated against
 its world size before anything runs. Errors name the key.
 """
@@ -38,11 +43,13 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from models.flops import training_flops_per_step
 from models.suggest import did_you_mean
 from pretrain.config import ConfigError, ExperimentConfig, apply_overrides, validate_for_world
 from pretrain.recipes import get_recipe
 
-SPECIAL_KEYS = ("label", "gpus", "tokens")
+SPECIAL_KEYS = ("label", "gpus", "tokens", "flops")
+BUDGET_KEYS = ("tokens", "flops")  # the axis holding either is the sweep's budget axis
 
 
 class SweepSpecError(ValueError):
@@ -72,6 +79,9 @@ class SweepSpec(BaseModel):
     # WSD points that differ only in their token budget: one stable run, cooldown branches for
     # the smaller budgets (launch/sweeps/branches.py); false: every point a separate run.
     cooldown_branches: bool = True
+    # Grid points left out: each entry maps axes to choice labels, and a point whose labels
+    # match every entry's is not run (an IsoFLOP design trains each size at some budgets only).
+    exclude: list[dict[str, str]] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +93,7 @@ class Point:
     config: ExperimentConfig  # resolved and validated
     run_dir: Path
     branch_of: Optional[str] = None  # a cooldown branch of this point's stable run (its name)
+    budget_flops: Optional[float] = None  # the compute budget its `flops` choice asked for
 
 
 def format_value(value: Any) -> str:
@@ -133,8 +144,12 @@ def _check_choice(axis: str, index: int, choice: dict[str, Any]) -> None:
     where = f"grid.{axis}[{index}]"
     if "gpus" in choice and (not isinstance(choice["gpus"], int) or choice["gpus"] < 1):
         raise SweepSpecError(f"{where}.gpus: must be a positive integer, got {choice['gpus']!r}")
-    if "tokens" in choice and (not isinstance(choice["tokens"], (int, float)) or choice["tokens"] <= 0):
-        raise SweepSpecError(f"{where}.tokens: must be a positive number of tokens, got {choice['tokens']!r}")
+    for key in BUDGET_KEYS:
+        if key in choice and (isinstance(choice[key], bool) or not isinstance(choice[key], (int, float))
+                              or choice[key] <= 0):
+            raise SweepSpecError(f"{where}.{key}: must be a positive number of {key}, got {choice[key]!r}")
+    if all(key in choice for key in BUDGET_KEYS):
+        raise SweepSpecError(f"{where}: give tokens or flops, not both (each sets schedule.train_steps)")
     for key in choice:
         if key not in SPECIAL_KEYS and "." not in key:
             hint = did_you_mean(key, SPECIAL_KEYS)
@@ -193,7 +208,7 @@ def expand_with_branches(spec: SweepSpec, *, spec_dir: Path = Path(".")) -> tupl
     from launch.sweeps.branches import plan_branches
 
     points, axes = _expand_grid(spec, spec_dir)
-    budget = [axis for axis, choices in axes.items() if any("tokens" in c for c in choices)]
+    budget = [axis for axis, choices in axes.items() if any(k in c for c in choices for k in BUDGET_KEYS)]
     if not spec.cooldown_branches or len(budget) != 1:
         return points, []
     config_file = str(spec_dir / spec.config) if spec.config else None
@@ -214,13 +229,17 @@ def _expand_grid(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], dict[str
     for axis, choices in axes.items():
         for index, choice in enumerate(choices):
             _check_choice(axis, index, choice)
+    _check_exclude(spec.exclude, axes)
     points, seen = [], {}
     for combo in itertools.product(*[list(enumerate(c)) for c in axes.values()]):
-        labels, pairs, gpus, tokens = {}, list(base), 1, None
+        if any(all(_label(combo[list(axes).index(a)][1]) == l for a, l in entry.items()) for entry in spec.exclude):
+            continue
+        labels, pairs, gpus, tokens, flops = {}, list(base), 1, None, None
         for axis, (index, choice) in zip(axes, combo):
             labels[axis] = _label(choice)
             gpus = choice.get("gpus", gpus)
             tokens = choice.get("tokens", tokens)
+            flops = choice.get("flops", flops)
             pairs += [f"{k}={format_value(v)}" for k, v in choice.items() if k not in SPECIAL_KEYS]
         name = _safe("_".join(labels.values()))
         if name in seen:
@@ -231,9 +250,13 @@ def _expand_grid(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], dict[str
         pairs.append(f"logging.run_dir={run_dir}")
         where = f"grid point {name} ({', '.join(f'{a}={l}' for a, l in labels.items())})"
         config = _resolve(spec.recipe, config_file, pairs, where)
-        if tokens is not None:
+        if tokens is not None or flops is not None:
             sched = config.schedule
-            steps = max(1, math.ceil(tokens / (sched.global_batch_size * sched.seq_length)))
+            if flops is not None:  # the nearest whole step: within half a step of the budget
+                per_step = training_flops_per_step(config.model, sched.seq_length, sched.global_batch_size)
+                steps = max(1, round(flops / per_step))
+            else:
+                steps = max(1, math.ceil(tokens / (sched.global_batch_size * sched.seq_length)))
             pairs.append(f"schedule.train_steps={steps}")
             config = _resolve(spec.recipe, config_file, pairs, where)
         try:
@@ -241,8 +264,21 @@ def _expand_grid(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], dict[str
         except ConfigError as exc:
             raise SweepSpecError(f"{where} on {gpus} GPU(s): {exc}") from None
         points.append(Point(name=name, labels=labels, gpus=gpus, overrides=tuple(pairs), config=config,
-                            run_dir=run_dir))
+                            run_dir=run_dir, budget_flops=flops))
     return points, axes
+
+
+def _check_exclude(exclude: list[dict[str, str]], axes: dict[str, list[dict]]) -> None:
+    for index, entry in enumerate(exclude):
+        if not entry:
+            raise SweepSpecError(f"exclude[{index}]: empty; name an axis and a choice label, e.g. {{model: small}}")
+        for axis, label in entry.items():
+            if axis not in axes:
+                raise SweepSpecError(f"exclude[{index}]: no grid axis {axis!r}{did_you_mean(axis, list(axes))}")
+            labels = [_label(c) for c in axes[axis]]
+            if label not in labels:
+                raise SweepSpecError(f"exclude[{index}].{axis}: no choice labelled {label!r} (labels: "
+                                     f"{', '.join(labels)})")
 
 
 def _resolve(recipe: str, config_file: Optional[str], pairs: list[str], where: str) -> ExperimentConfig:

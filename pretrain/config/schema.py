@@ -136,6 +136,11 @@ class ScheduleConfig(_Strict):
     seq_length: int = Field(default=256, gt=0)
     eval_interval: int = Field(default=0, ge=0)  # 0 = never
     eval_steps: int = Field(default=2, gt=0)
+    # Held-out evaluation after the last step: this many batches of global_batch_size from
+    # the start of the validation split, in a dataset built for exactly that many samples, so
+    # that it is the same documents for every run with the same data, seed, seq_length and
+    # batch, whatever its train_steps or eval_interval (scaling sweeps fit this loss). 0 = none.
+    final_eval_steps: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _decay_after_warmup(self) -> "ScheduleConfig":
@@ -319,10 +324,12 @@ class ExperimentConfig(_Strict):
     def _evaluation_has_data(self) -> "ExperimentConfig":
         from data_pipeline.datasets import parse_split
 
-        if self.schedule.eval_interval and parse_split(self.data.split)[1] == 0:
-            raise ValueError(f"schedule.eval_interval={self.schedule.eval_interval} needs validation data, but "
-                             f"data.split={self.data.split} gives the validation part 0; set "
-                             "schedule.eval_interval=0 or a non-zero middle part (e.g. 969,30,1)")
+        sched = self.schedule
+        for key, value in (("eval_interval", sched.eval_interval), ("final_eval_steps", sched.final_eval_steps)):
+            if value and parse_split(self.data.split)[1] == 0:
+                raise ValueError(f"schedule.{key}={value} needs validation data, but "
+                                 f"data.split={self.data.split} gives the validation part 0; set "
+                                 f"schedule.{key}=0 or a non-zero middle part (e.g. 969,30,1)")
         return self
 
 

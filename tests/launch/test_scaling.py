@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,27 @@ def test_reads_launch_sweeps_results_csv(tmp_path):
     np.testing.assert_allclose(runs.loss, [3.0, 2.9, 2.8])
 
 
+def test_the_held_out_loss_is_preferred_and_a_loss_column_can_be_named(tmp_path):
+    """results.csv with val_loss: fitted instead of final_loss (the last training batch),
+    unless --loss-column says otherwise; the fit names the column it used."""
+    rows = [{"point": f"p{i}", "params": 1e6 * (i + 1), "status": "finished", "tokens": 1e8,
+             "final_loss": 3.0 - 0.1 * i, "val_loss": 3.5 - 0.1 * i, "val_loss_se": 0.01} for i in range(3)]
+    path = _write(tmp_path / "results.csv", rows)
+    runs = read_runs(path)
+    assert runs.loss_column == "val_loss"
+    np.testing.assert_allclose(runs.loss, [3.5, 3.4, 3.3])
+    runs = read_runs(path, loss_column="final_loss")
+    assert runs.loss_column == "final_loss"
+    np.testing.assert_allclose(runs.loss, [3.0, 2.9, 2.8])
+    rows = [dict(r, params=1e6 * 2 ** s, tokens=1e9 * 10 ** b / 2 ** s, val_loss=3.0 + 0.05 * s + 0.1 * b)
+            for r in rows[:1] for b in range(3) for s in range(4)]
+    result = subprocess.run([sys.executable, "-m", "launch.scaling", "fit", str(_write(tmp_path / "g.csv", rows)),
+                             "--approach", "3", "--bootstrap", "0", "--json"],
+                            capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["loss_column"] == "val_loss"
+
+
 def _grid_rows(budgets: int, sizes: int) -> list[dict]:
     return [{"params": 1e6 * 2 ** s, "tokens": 1e9 * 10 ** b / 2 ** s, "loss": 3.0 + 0.01 * s}
             for b in range(budgets) for s in range(sizes)]
@@ -141,6 +163,7 @@ BAD = {
     "too_few_points": (_grid_rows(1, 5), ["3"], ["at least 10"]),
     "too_few_budgets": (_grid_rows(1, 9), ["2"], ["2 compute budgets"]),
     "missing_compute_column": (_grid_rows(3, 4), ["2", "--compute-column", "budget"], ["budget"]),
+    "missing_loss_column": (_grid_rows(3, 4), ["3", "--loss-column", "val_loss"], ["--loss-column val_loss"]),
 }
 
 

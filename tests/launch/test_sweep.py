@@ -48,6 +48,9 @@ def write_spec(tmp_path: Path, **changes) -> Path:
     (dict(grid={"a": [{"label": "x"}], "b": [{"label": "x"}, {"label": "x"}]}), "both named 'x_x'"),
     (dict(slurm={"partition": "debug", "time": "10", "gpus_pernode": 8}), "unknown key 'slurm.gpus_pernode'; did you mean 'gpus_per_node'?"),
     (dict(launcher="slurm"), "launcher: slurm needs a `slurm:` section"),
+    (dict(grid={"b": [{"flops": -1.0}]}), "grid.b[0].flops: must be a positive number of flops"),
+    (dict(grid={"b": [{"flops": 1e10, "tokens": 512}]}), "grid.b[0]: give tokens or flops, not both"),
+    (dict(grid={"b": [{"label": "x"}]}, exclude=[{"b": "y"}]), "exclude[0].b: no choice labelled 'y' (labels: x)"),
 ])
 def test_malformed_specs_name_the_key(tmp_path, capsys, changes, message):
     assert sweep.main([str(write_spec(tmp_path, **changes))]) == 2

@@ -1,0 +1,159 @@
+"""A scaling study end to end: an IsoFLOP ladder, the fit, a prediction for a larger held-out
+model at a larger budget, that model trained, and the prediction checked.
+
+    python -m launch.scaling study --out runs/scaling-study            # tiny-llama on the demo text, CPU
+    python -m launch.scaling study --out DIR --budgets 1.5e10 3e10 6e10 --sizes 4 --eval-batches 4   # minutes
+
+Steps (each re-runnable: the sweeps skip finished points):
+1. `design` writes DIR/ladder.yaml for --recipe at --budgets (WSD cooldown branches, held-out
+   evaluation); `launch.sweep` trains it into DIR/ladder/.
+2. Approach 3 (L = E + A/N^alpha + B/D^beta) is fitted to the ladder's val_loss, with
+   --bootstrap refits for a 95% interval.
+3. The target: the family's next size above every trained one, at --target-factor x the
+   largest budget (extrapolated in N and in C). Its loss is predicted (value and the bootstrap
+   interval), then it is trained (DIR/target/, the same overrides) and its val_loss compared.
+4. DIR/study.json: the fit, the prediction, the measured loss, the error, and the ladder's
+   compute with cooldown branches against separate runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from launch.scaling import chinchilla
+from launch.scaling.data import ScalingInputError, read_runs
+from launch.scaling.design import budget_label, ladder, steps_at
+from models.flops import total_params, training_flops_per_step
+
+CPU = ["runtime.spec=portable", "schedule.seq_length=64", "schedule.micro_batch_size=8",
+       "schedule.global_batch_size=8", "schedule.warmup_steps=1", "logging.tensorboard=false",
+       "logging.log_interval=5", "optimizer.lr=0.01", "optimizer.min_lr=0.001"]
+
+
+def _design(args, out: Path) -> Path:
+    from launch.scaling.cli import build_parser
+    from launch.scaling.design import design_command
+
+    spec = out / "ladder.yaml"
+    argv = ["design", "--recipe", args.recipe, "--budgets", *map(str, args.budgets), "--sizes", str(args.sizes),
+            "--eval-batches", str(args.eval_batches), "--cooldown-fraction", str(args.cooldown_fraction),
+            "--name", "ladder", "--out", str(spec), "--out-dir", str(out / "ladder"),
+            *(["--min-steps", str(args.min_steps)] if args.min_steps else []),
+            *[a for kv in [*CPU, *args.set] for a in ("--set", kv)]]
+    design_command(build_parser().parse_args(argv))
+    return spec
+
+
+def _sweep(spec: Path) -> None:
+    from data_pipeline.checks import WorkFailed
+    from launch.sweeps import run as sweep
+
+    if sweep.main([str(spec)]) != 0:
+        raise WorkFailed(f"the sweep {spec} did not finish: see its points' launch.log")
+
+
+def _compute(spec: Path) -> dict:
+    """The ladder's training FLOPs with its cooldown branches and as separate runs."""
+    from launch.sweeps.spec import expand_with_branches, load_spec
+
+    points, _ = expand_with_branches(load_spec(str(spec)), spec_dir=spec.parent)
+    def per_step(p):
+        s = p.config.schedule
+        return training_flops_per_step(p.config.model, s.seq_length, s.global_batch_size)
+    separate = sum(p.config.schedule.train_steps * per_step(p) for p in points)
+    skipped = sum((p.config.schedule.train_steps - p.config.schedule.wsd_cooldown_steps) * per_step(p)
+                  for p in points if p.branch_of)
+    return {"separate": separate, "with_branches": separate - skipped, "saved_fraction": skipped / separate,
+            "points": len(points), "branches": sum(1 for p in points if p.branch_of)}
+
+
+def _target(spec: Path, args) -> tuple[Path, dict]:
+    """A one-point spec for the held-out model: the next size of the family's ladder above
+    every ladder size, at target-factor x the largest budget."""
+    from pretrain.config import apply_overrides
+    from pretrain.recipes import get_recipe
+
+    ladder_spec = yaml.safe_load(spec.read_text())
+    config = apply_overrides(get_recipe(args.recipe), overrides=list(ladder_spec["overrides"]))
+    sched = config.schedule
+    trained = max(total_params(config.model.model_copy(update={k.split(".")[1]: v for k, v in choice.items()
+                                                              if k.startswith("model.")}))
+                  for choice in ladder_spec["grid"]["model"])
+    budget = args.target_factor * max(args.budgets)
+    larger = [s for s in ladder(config.model, sched.seq_length, sched.global_batch_size) if s.params > trained]
+    if not larger:
+        raise ScalingInputError(f"no size of {args.recipe} is larger than the ladder's largest ({trained:,} params)")
+    size = larger[0]
+    target = {**ladder_spec, "name": "target", "out_dir": str(Path(args.out) / "target"),
+              "grid": {"model": [{"label": size.label, **size.keys()}],
+                       "budget": [{"label": budget_label(budget), "flops": budget}]}}
+    target.pop("exclude", None)
+    path = spec.parent / "target.yaml"
+    path.write_text(yaml.safe_dump(target, sort_keys=False))
+    steps = steps_at(size, budget)
+    return path, {"label": size.label, "params": size.params, "budget": budget, "steps": steps,
+                  "tokens": steps * sched.seq_length * sched.global_batch_size}
+
+
+def study_command(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = _design(args, out)
+    _sweep(spec)
+    runs = read_runs(out / "ladder" / "results.csv")
+    if runs.loss_column != "val_loss":
+        raise ScalingInputError("the ladder's results.csv has no val_loss (schedule.final_eval_steps)")
+    best = chinchilla.fit(runs, args.grid)
+    boots = chinchilla.bootstrap(runs, best, args.bootstrap, args.seed, lambda: None)
+    target_spec, target = _target(spec, args)
+    n, d = np.array([target["params"]], float), np.array([target["tokens"]], float)
+    predicted = float(best.predict(n, d)[0])
+    samples = [float(f.predict(n, d)[0]) for f in boots]
+    lo, hi = (np.percentile(samples, [2.5, 97.5]).tolist() if samples else (None, None))
+    _sweep(target_spec)
+    with (out / "target" / "results.csv").open() as f:
+        row = next(csv.DictReader(f))
+    measured = float(row["val_loss"])
+    doc = {"recipe": args.recipe, "ladder_budgets": list(args.budgets), "n_points": len(runs),
+           "fit": {k: v for k, v in best.values.items()}, "n_bootstrap": len(boots),
+           "target": {**target, "predicted": predicted, "ci95": [lo, hi], "val_loss": measured,
+                      "val_loss_se": float(row["val_loss_se"]) if row.get("val_loss_se") else None,
+                      "error": measured - predicted, "relative_error": (measured - predicted) / measured,
+                      "inside_ci95": lo is not None and lo <= measured <= hi},
+           "compute": _compute(spec)}
+    (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
+    t, c = doc["target"], doc["compute"]
+    print(f"[study] fit on {len(runs)} ladder points (val_loss): " +
+          ", ".join(f"{k} {v:.4g}" for k, v in doc["fit"].items()))
+    print(f"[study] target {t['label']} ({t['params']:,} params, {t['tokens']:,} tokens, {t['budget']:.3g} FLOPs): "
+          f"predicted {predicted:.4f}" + (f" [95% {lo:.4f}, {hi:.4f}]" if lo is not None else "")
+          + f", measured {measured:.4f}: error {t['error']:+.4f} ({t['relative_error']:+.1%}), "
+          f"{'inside' if t['inside_ci95'] else 'outside'} the interval")
+    print(f"[study] ladder compute: {c['with_branches']:.3g} FLOPs with {c['branches']} cooldown branches vs "
+          f"{c['separate']:.3g} as separate runs ({c['saved_fraction']:.0%} saved); {out / 'study.json'}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("study", help="ladder -> fit -> predict a larger held-out model -> train it -> compare")
+    p.add_argument("--out", default="runs/scaling-study", help="output folder (default runs/scaling-study)")
+    p.add_argument("--recipe", default="tiny-llama")
+    p.add_argument("--budgets", type=float, nargs="+", default=[1e11, 2e11, 4e11, 8e11],
+                   help="the ladder's compute budgets (default 1e11 2e11 4e11 8e11)")
+    p.add_argument("--sizes", type=int, default=4)
+    p.add_argument("--target-factor", type=float, default=4.0,
+                   help="the held-out model's budget: this x the largest ladder budget (default 4)")
+    p.add_argument("--eval-batches", type=int, default=32, help="held-out batches per point (default 32)")
+    p.add_argument("--cooldown-fraction", type=float, default=0.2)
+    p.add_argument("--min-steps", type=int, default=None)
+    p.add_argument("--bootstrap", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grid", choices=sorted(chinchilla.GRIDS), default="coarse")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"more overrides for every run (after the CPU defaults: {' '.join(CPU)})")
+    p.set_defaults(func=study_command)
