@@ -72,11 +72,12 @@ def commands(path: Path) -> list[Command]:
 
 
 @lru_cache(maxsize=None)
-def help_text(module: str) -> str:
-    """The module's `--help` output (run in this process), or '' when it has none."""
+def help_text(module: str, subcommand: str = "") -> str:
+    """The `--help` output of the module (or of its subcommand), run in this process; '' when
+    it has none."""
     out = io.StringIO()
     argv = sys.argv
-    sys.argv = [module, "--help"]
+    sys.argv = [module, *([subcommand] if subcommand else []), "--help"]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -124,6 +125,9 @@ def problems(paths: list[Path]) -> list[str]:
             if recipe is not None and recipe not in RECIPES and not recipe.isupper():  # NAME = a placeholder
                 out.append(f"{command.where}: --recipe {recipe} is not a recipe ({', '.join(RECIPES)})")
             text = help_text(command.module)
+            first = command.args[0] if command.args else ""
+            if re.search(r"\{[\w,-]*\b" + re.escape(first) + r"\b[\w,-]*\}", text) and first.isidentifier():
+                text = help_text(command.module, first)  # `python -m launch.scaling design ...`
             if text.startswith("<error") or not text.strip():
                 out.append(f"{command.where}: python -m {command.module} --help failed: {text or 'no output'}")
                 continue

@@ -65,8 +65,11 @@ def test_docs_check_finds_a_bad_flag_and_a_bad_key(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```bash\npython -m pretrain --recipe tiny-llama --no-such-flag \\\n"
                     "    schedule.train_stepz=3 optimizer.lr=1e-3\n"
-                    "python -m launch.plan --recipe llama-9b --gpus 8  # a comment --not-a-flag\n```\n")
+                    "python -m launch.plan --recipe llama-9b --gpus 8  # a comment --not-a-flag\n"
+                    "python -m launch.scaling fit r.csv --approach 3 --bogus\n```\n")
     found = problems([page])
     assert found[:2] == [f"{page}:2: python -m pretrain has no option --no-such-flag",
                          f"{page}:2: schedule.train_stepz is not a config key"]
-    assert len(found) == 3 and found[2].startswith(f"{page}:4: --recipe llama-9b is not a recipe (tiny-llama, ")
+    assert len(found) == 4 and found[2].startswith(f"{page}:4: --recipe llama-9b is not a recipe (tiny-llama, ")
+    # a subcommand's options are read from its own --help (--approach is fit's, not the module's)
+    assert found[3] == f"{page}:5: python -m launch.scaling has no option --bogus"
