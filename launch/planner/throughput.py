@@ -185,8 +185,8 @@ def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOp
 
 def _bandwidth(span: int, device: Device, opts: ThroughputOptions) -> float:
     """Bytes/s for a group whose ranks cover `span` consecutive ranks: NVLink if that fits
-    in a node, else InfiniBand."""
-    gbps = device.intra_node_gbps if span <= device.gpus_per_node else device.inter_node_gbps
+    in the NVLink domain (a node; a GB200 NVL72 rack), else InfiniBand."""
+    gbps = device.intra_node_gbps if span <= device.nvlink_gpus else device.inter_node_gbps
     return gbps * 1e9 * opts.bus_efficiency
 
 
