@@ -3,10 +3,11 @@ tuned LR from a small grid, on tiny-llama and the demo's real text (King James B
 
     # step time: AdamW and Muon runs alternate (a shared machine's load drifts into both alike)
     python -m launch.optimizer_benchmark step-time --repeats 3 --steps 30 --warmup 5
-    # loss vs steps: 3 LRs per optimizer, 150 steps each, the plot beside the README's numbers
+    # loss vs steps: an LR grid per optimizer, 150 steps each, the plot beside the README's numbers
     python -m launch.optimizer_benchmark lr-grid --steps 150 \
-        --adamw-lrs 1.5e-3 3e-3 6e-3 --muon-lrs 1e-2 2e-2 4e-2 \
-        --plot launch/examples/muon_vs_adamw.png
+        --adamw-lrs 1.5e-3 3e-3 6e-3 --muon-lrs 3.125e-4 6.25e-4 1.25e-3 2.5e-3 5e-3 1e-2 2e-2 4e-2 \
+        --plot launch/examples/muon_vs_adamw.png --json-out grid.json
+    # (--resume reuses the runs already in grid.json: widening the grid runs only the new LRs)
 
 Every run is `python -m pretrain --recipe tiny-llama` on one rank (torchrun, fp32) with the
 same seed and data order; extra `key=value` overrides apply to all. Muon's `optimizer.lr` is
@@ -71,12 +72,28 @@ def tuned(runs: list[dict], tail: int) -> dict:
     return min(runs, key=lambda r: tail_loss(r["losses"], tail))
 
 
+def _earlier_runs(args: argparse.Namespace) -> list[dict]:
+    """With --resume, the runs of an earlier --json-out of the same steps and overrides (a grid
+    widened afterwards re-runs only its new LRs)."""
+    path = Path(args.json_out) if args.resume and args.json_out else None
+    if path is None or not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    same = (earlier.get("steps"), earlier.get("overrides"), earlier.get("muon_adamw_lr")) == (
+        args.steps, args.overrides, args.muon_adamw_lr)
+    return earlier["runs"] if same else []
+
+
 def lr_grid(args: argparse.Namespace) -> dict:
     """Loss per step for every (optimizer, LR); the tuned LR of each optimizer."""
+    earlier = {(r["optimizer"], r["lr"]): r for r in _earlier_runs(args)}
     runs = []
     with tempfile.TemporaryDirectory(prefix="optbench-") as tmp:
         for name, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
             for lr in lrs:
+                if (name, lr) in earlier:
+                    runs.append(earlier[(name, lr)])
+                    continue
                 records = run_once(RECIPE, 1, args.steps, args.overrides + optimizer_overrides(name, lr, args.muon_adamw_lr),
                                    Path(tmp) / f"{name}-{lr:g}")
                 losses = [r["loss"] for r in records]
@@ -132,11 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=3, help="step-time: runs per optimizer")
     p.add_argument("--muon-lr", type=float, default=2e-2, help="step-time: Muon's LR")
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3])
-    p.add_argument("--muon-lrs", type=float, nargs="+", default=[1e-2, 2e-2, 4e-2])
+    p.add_argument("--muon-lrs", type=float, nargs="+", default=[3.125e-4, 1.25e-3, 5e-3, 2e-2])
     p.add_argument("--muon-adamw-lr", type=float, default=3e-3, help="LR of the parameters Muon leaves to AdamW")
     p.add_argument("--tail", type=positive_int, default=20, help="lr-grid: steps averaged to pick the tuned LR")
     p.add_argument("--plot", metavar="FILE.png", help="lr-grid: write the loss-vs-steps plot")
     p.add_argument("--json-out", metavar="FILE.json", help="also write the result here")
+    p.add_argument("--resume", action="store_true",
+                   help="lr-grid: reuse the runs already in --json-out (same steps and overrides)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every run")
     return p
 

@@ -35,3 +35,18 @@ def test_bad_input_is_one_line_before_any_run(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(lines) == 3 and all(line.startswith("error: ") for line in lines), lines
     assert "num_ns_steps" in lines[2]
+
+
+def test_resume_reuses_runs_of_the_same_grid_only(tmp_path):
+    import argparse
+    import json
+
+    from launch.optimizer_benchmark import _earlier_runs
+
+    path = tmp_path / "grid.json"
+    runs = [{"optimizer": "muon", "lr": 0.01, "losses": [5.0, 4.0]}]
+    path.write_text(json.dumps({"steps": 150, "overrides": [], "muon_adamw_lr": 3e-3, "runs": runs}))
+    args = argparse.Namespace(json_out=str(path), resume=True, steps=150, overrides=[], muon_adamw_lr=3e-3)
+    assert _earlier_runs(args) == runs
+    assert _earlier_runs(argparse.Namespace(**{**vars(args), "steps": 100})) == []  # another grid
+    assert _earlier_runs(argparse.Namespace(**{**vars(args), "resume": False})) == []
