@@ -63,9 +63,10 @@ def _optimizers(optimizer) -> list:
 
 
 def _optimizer_state(optimizer) -> tuple[list, set]:
-    """(Adam moment tensors, storages of the parameters the inner optimizer steps).
-    Adam's state is created lazily at the first step; Megatron's init_state_fn creates it
-    now (as checkpoint loading does), with the shapes and dtypes a step would use."""
+    """(optimizer state tensors, storages of the parameters the inner optimizer steps): Adam's
+    exp_avg / exp_avg_sq, Muon's momentum_buffer (optimizer.name=muon chains both).
+    State is created lazily at the first step; Megatron's init_state_fn creates it now (as
+    checkpoint loading does), with the shapes and dtypes a step would use."""
     moments, stepped = [], []
     for opt in _optimizers(optimizer):
         opt.init_state_fn(opt.optimizer, opt.config)
@@ -73,7 +74,7 @@ def _optimizer_state(optimizer) -> tuple[list, set]:
             for p in group["params"]:
                 stepped.append(_local(p))
                 state = opt.optimizer.state[p]
-                moments += [_local(state["exp_avg"]), _local(state["exp_avg_sq"])]
+                moments += [_local(v) for k, v in state.items() if k != "step" and hasattr(v, "data_ptr")]
     return moments, stepped
 
 

@@ -27,6 +27,15 @@ DEVICE_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "h100-sxm": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 66.9},
     "h100-pcie": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0},
     "h200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 66.9},
+    # Vendor specs, not measured: NVIDIA's HGX B200 / GB200 NVL72 specification table
+    # ("Individual Blackwell GPU Specifications"; its tensor-core figures are with 2:4 sparsity,
+    # halved here to dense: B200 FP8 9 -> 4.5 PFLOPS, BF16 4.5 -> 2.25; GB200 FP8 10 -> 5,
+    # BF16 5 -> 2.5; FP32 75 / 80 TFLOPS as listed), as reproduced at
+    # https://zdszero.github.io/Computer/Artificial_Intelligence/Hardware.html; the dense values
+    # agree with https://glennklockwood.com/garden/processors/B200 (HGX B200 at 1,000 W:
+    # BF16 2250, FP8 4500; GB200 at 1,200 W: BF16 2500, FP8 5000), whose FP32 says 80 / 90.
+    "b200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 75.0},
+    "gb200": {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "fp32": 80.0},
 }
 
 
@@ -36,7 +45,11 @@ def detect_device_peak(key: str, dtype: str, fp8: bool) -> Optional[float]:
         if not torch.cuda.is_available():
             return None
         name = torch.cuda.get_device_name().lower()
-        if "h200" in name:
+        if "gb200" in name:  # before "b200", which it contains
+            key = "gb200"
+        elif "b200" in name:
+            key = "b200"
+        elif "h200" in name:
             key = "h200"
         elif "h100" in name:
             key = "h100-pcie" if "pcie" in name else "h100-sxm"

@@ -15,6 +15,7 @@ from models.flops import packed_attention_fraction
 from models.layout import SHARDING_LEVELS, ParallelLayout, pipeline_split
 from models.runtime import DTYPES, DtypeName, Recompute
 from pretrain.config import ExperimentConfig, data_parallel_sharding, microbatches
+from pretrain.config.schema import MuonConfig
 
 
 def zero_stage(config: ExperimentConfig) -> int:
@@ -63,6 +64,9 @@ class Candidate:
     # blocks); the portable spec computes the full masked score matrix. FLOP/s and MFU stay on
     # the dense formula, as in metrics.jsonl.
     attention_fraction: float = 1.0
+    # optimizer.name=muon: its section (launch.planner.muon models its state and
+    # Newton-Schulz); None = AdamW for every parameter.
+    muon: Optional[MuonConfig] = None
 
     @classmethod
     def from_config(cls, config: ExperimentConfig, world_size: int, *, flash_attention: bool | None = None,
@@ -83,6 +87,7 @@ class Candidate:
             flash_attention=(config.runtime.spec != "portable") if flash_attention is None else flash_attention,
             attention_fraction=(packed_attention_fraction(document_length, sched.seq_length)
                                 if config.data.reset_attention_mask and document_length else 1.0),
+            muon=config.optimizer.muon if config.optimizer.name == "muon" else None,
         )
 
     def apply_to(self, config: ExperimentConfig) -> ExperimentConfig:
@@ -211,6 +216,10 @@ class Candidate:
     @property
     def max_stage_layers(self) -> int:
         return max(self.layers_on_stage(s) for s in range(self.pp))
+
+    @property
+    def optimizer_name(self) -> str:
+        return "muon" if self.muon else "adamw"
 
     @property
     def param_bytes(self) -> int:

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML overrides layered over the recipe, as for python -m pretrain")
     p.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
     p.add_argument("--gpu", default="h100-80gb",
-                   help="GPU type (launch.planner.devices): h100-80gb, h100-pcie, h200-141gb; cpu (nominal "
+                   help="GPU type (launch.planner.devices): h100-80gb, h100-pcie, h200-141gb, b200-180gb, gb200-186gb; cpu (nominal "
                         "numbers, for --calibrate)")
     p.add_argument("--seq", type=positive_int, help="sequence length (schedule.seq_length)")
     p.add_argument("--global-batch", type=positive_int, help="global batch in sequences (schedule.global_batch_size)")

@@ -11,6 +11,11 @@ Host side (optimizer CPU offload), per GPU of a DGX-class node (DGX H100/H200 da
   each); two Xeon 8480C sockets of 8 DDR5-4800 channels, 614 GB/s for 8 GPUs (77 each).
 Memory is what `torch.cuda.get_device_properties().total_memory` reports (nvidia-smi's
 81559 MiB for "80 GB" parts, 143771 MiB for H200), not the marketing figure.
+
+Blackwell (B200 in DGX/HGX B200, GB200 in GB200 NVL72): vendor specs, none measured by us;
+each number's source is written beside it below. Compute capability 10.0: MXFP8 runs there
+(models.precision). A GB200 NVL72 rack is one NVLink domain of 72 GPUs built from compute
+trays of 4 GPUs (what Slurm calls a node): `gpus_per_node=4`, `nvlink_gpus=72`.
 """
 
 from __future__ import annotations
@@ -38,11 +43,17 @@ class Device:
     # element-wise kernels are bound by it.
     hbm_gbps: float = 3350.0
     gpus_per_node: int = 8
+    # GPUs one NVLink domain joins (NVLink bandwidth for groups inside it); None = a node.
+    nvlink_domain: Optional[int] = None
     # CUDA compute capability: which FP8 recipes the device runs (models.precision.FP8_RECIPES).
     capability: Optional[tuple[int, int]] = (9, 0)
     pcie_gbps: float = 64.0  # GB/s per GPU per direction to the host (PCIe Gen5 x16)
     host_memory_gib: float = 2000 * 1e9 / GIB / 8  # host memory per GPU
     host_memory_gbps: float = 614.0 / 8  # host DRAM bandwidth per GPU (CPU optimizer step)
+
+    @property
+    def nvlink_gpus(self) -> int:
+        return self.nvlink_domain or self.gpus_per_node
 
     @property
     def memory_bytes(self) -> float:
@@ -78,12 +89,32 @@ DEVICES: dict[str, Device] = {
                         intra_node_gbps=64.0, inter_node_gbps=50.0, hbm_gbps=2000.0),
     "h200-141gb": Device(name="h200-141gb", memory_gib=143771 / 1024, peak_tflops=DEVICE_PEAK_TFLOPS["h200"],
                          intra_node_gbps=450.0, inter_node_gbps=50.0, hbm_gbps=4800.0),
+    # DGX/HGX B200. Peaks: pretrain.metrics (NVIDIA's table, dense). Memory: 179 GB per GPU as
+    # nvidia-smi reads it on an HGX B200 (third-party reading: Vultr's HGX B200 hardware
+    # overview, docs.vultr.com; datasheet 180 GB). NVLink 5: 1.8 TB/s bidirectional per GPU ->
+    # 900 GB/s each way (NVIDIA's table; docs.nvidia.com DGX GB200 user guide). InfiniBand: one
+    # 400 Gb/s ConnectX-7 per GPU (docs.nvidia.com DGX BasePOD reference architecture, "8x
+    # single-port ConnectX-7 VPI, up to 400Gb/s"). HBM3e 7.7 TB/s (NVIDIA's table). Host side:
+    # the DGX H100 defaults above, not sourced for B200.
+    "b200-180gb": Device(name="b200-180gb", memory_gib=179.0, peak_tflops=DEVICE_PEAK_TFLOPS["b200"],
+                         intra_node_gbps=900.0, inter_node_gbps=50.0, hbm_gbps=7700.0, capability=(10, 0)),
+    # GB200 NVL72. Peaks: pretrain.metrics (NVIDIA's table, dense, 1,200 W). Memory: 186 GB
+    # HBM3e (NVIDIA's table), taken as 185 GiB visible by B200's ratio of reading to datasheet
+    # (179 / 180): an estimate, no reading. HBM3e 8 TB/s, NVLink 5 900 GB/s each way over all
+    # 72 GPUs of the rack (NVIDIA's table). InfiniBand between racks: one 400 Gb/s NIC per GPU
+    # assumed, as DGX B200 (some racks ship 800 Gb/s ConnectX-8: raise inter_node_gbps).
+    # Host: Grace over NVLink-C2C, 900 GB/s bidirectional per superchip of 2 GPUs (deploybase.ai's
+    # GB200 NVL72 page) -> 225 GB/s each way per GPU; host memory and bandwidth: the defaults.
+    "gb200-186gb": Device(name="gb200-186gb", memory_gib=186 * 179 / 180, peak_tflops=DEVICE_PEAK_TFLOPS["gb200"],
+                          intra_node_gbps=900.0, inter_node_gbps=50.0, hbm_gbps=8000.0, capability=(10, 0),
+                          gpus_per_node=4, nvlink_domain=72, pcie_gbps=225.0),
     # A CPU (runs through gloo): nominal numbers, not a datasheet. They only set the scale that
     # --calibrate fits efficiencies against; plan CPU runs after calibrating on one.
     "cpu": Device(name="cpu", memory_gib=16.0, peak_tflops={"bf16": 0.2, "fp16": 0.2, "fp8": 0.2, "fp32": 0.2},
                   intra_node_gbps=10.0, inter_node_gbps=1.0, hbm_gbps=20.0, capability=None),
 }
-ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb"}
+ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb", "b200": "b200-180gb",
+           "gb200": "gb200-186gb"}
 
 
 class UnknownDeviceError(ValueError):

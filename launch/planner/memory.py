@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from launch.planner.candidate import Candidate
+from launch.planner import muon as _muon
 from launch.planner.fsdp_buckets import fsdp_held_elements
 from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
 from models.config import ModelConfig
@@ -163,7 +164,10 @@ def main_param_bytes(c: Candidate, stage: int) -> float:
     + P_expert / expert-DP); ZeRO-2/3: 4 B / shard (Megatron-FSDP's main_weight_buffer,
     megatron_fsdp_main_params_dtype=fp32). fp32 parameters need none (the optimizer updates
     them in place; training wraps ZeRO-2/3 with megatron_fsdp_main_params_dtype=None). 0 on the
-    GPU with CPU offload (host_bytes)."""
+    GPU with CPU offload (host_bytes). Muon: launch.planner.muon.main_param_bytes (its
+    layer-wise optimizer deals whole parameters to DP ranks)."""
+    if c.muon:
+        return _muon.main_param_bytes(c, stage)
     if c.param_bytes == 4 or c.offload:
         return 0.0
     if c.fsdp:
@@ -175,7 +179,10 @@ def optimizer_state_bytes(c: Candidate, stage: int, slices: tuple[int, int] = (0
     """Adam moments exp_avg and exp_avg_sq in fp32: ZeRO-0: 8 P; ZeRO-1: 8 (P_dense / (DP x CP)
     + P_expert / expert-DP); ZeRO-2/3: 8 x the parameter elements in the rank's slices (the
     moments are DTensors over the parameters, not the padding; `slices`: the rank's index in
-    its dense / expert shard group, default the fullest). 0 on the GPU with CPU offload."""
+    its dense / expert shard group, default the fullest). 0 on the GPU with CPU offload.
+    Muon: 4 bytes (momentum) per Muon element + 8 per AdamW element (launch.planner.muon)."""
+    if c.muon:
+        return _muon.optimizer_state_bytes(c, stage)
     if c.offload:
         return 0.0
     if c.fsdp:

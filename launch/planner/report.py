@@ -44,8 +44,17 @@ def _memory_cells(e: Evaluation) -> list[str]:
             _gib(b.activations), _gib(b.overhead + b.sharding_buffers), _gib(b.total)]
 
 
+def optimizer_label(config: ExperimentConfig) -> str:
+    """'adamw', or 'muon (5 NS steps, tp_mode duplicated) + adamw' - what the estimate models."""
+    opt = config.optimizer
+    if opt.name != "muon":
+        return opt.name
+    return (f"muon ({opt.muon.num_ns_steps} Newton-Schulz steps, tp_mode {opt.muon.tp_mode}, "
+            f"matmul {opt.muon.fp32_matmul_prec}) + adamw")
+
+
 def ranking_table(plan: Plan, top: int) -> Table:
-    table = Table(title=f"{plan.config.name} on {plan.world_size} x {plan.device.name} "
+    table = Table(title=f"{plan.config.name} ({optimizer_label(plan.config)}) on {plan.world_size} x {plan.device.name} "
                         f"({plan.device.memory_gib:.1f} GiB): fastest layouts that fit")
     _add_columns(table, ["#", *_LAYOUT_COLUMNS, *_MEMORY_COLUMNS])
     for name in ["s/step", "tok/s/GPU", "MFU", "bubble", "comm"]:
@@ -74,8 +83,10 @@ def summary(plan: Plan) -> str:
     """One sentence: the recommendation and its headline numbers."""
     best = plan.best
     s = best.estimate
+    muon = f" (Newton-Schulz {s.optimizer_s:.3f} s)" if best.candidate.muon else ""
     return (
-        f"recommended: {best.candidate.describe()} - {s.step_s:.2f} s/step, "
+        f"recommended: {best.candidate.describe()}, optimizer {best.candidate.optimizer_name} - "
+        f"{s.step_s:.2f} s/step{muon}, "
         f"{s.tokens_per_s / plan.world_size:,.0f} tokens/s/GPU, {100 * s.mfu:.1f}% MFU (estimated), "
         f"{best.memory.total / GIB:.1f} of {plan.device.memory_gib:.1f} GiB. "
         f"{len(plan.ranked)} layouts fit, {len(plan.dropped)} too large, {plan.invalid} invalid."
@@ -119,6 +130,7 @@ def candidate_json(e: Evaluation, plan: Plan, rank: Optional[int]) -> dict:
         "tokens_per_s_per_gpu": round(s.tokens_per_s / plan.world_size, 1) if s else None,
         "mfu": round(s.mfu, 4) if s else None,
         "exposed_comm_s": {k: round(v, 4) for k, v in s.comm_s.items()} if s else None,
+        "optimizer_s": round(s.optimizer_s, 4) if s else None,
         "fits": e.fits,
         "reason": e.reason(plan.device) or None,
         "n_params": total_params(e.candidate.model),
@@ -130,7 +142,8 @@ def plan_json(plan: Plan, *, top: Optional[int], show_dropped: Optional[int]) ->
     recommendation), then the dropped ones closest to fitting first (rank null)."""
     ranked = [candidate_json(e, plan, i) for i, e in enumerate(plan.ranked[:top], 1)]
     dropped = [candidate_json(e, plan, None) for e in plan.dropped[:show_dropped]]
-    return {"candidates": ranked + dropped, "recipe": plan.config.name, "gpus": plan.world_size,
+    return {"candidates": ranked + dropped, "recipe": plan.config.name, "optimizer": optimizer_label(plan.config),
+            "gpus": plan.world_size,
             "gpu": plan.device.name, "fitting": len(plan.ranked), "dropped": len(plan.dropped),
             "invalid": plan.invalid}
 

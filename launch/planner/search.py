@@ -104,7 +104,10 @@ def _pick(values: Optional[Sequence[int]], allowed: list[int]) -> list[int]:
 def _layouts(config: ExperimentConfig, world: int, device: Device, space: SearchSpace) -> Iterator[dict]:
     """Raw (tp, pp, vpp, cp, ep, split) combinations whose product divides the world size."""
     m, seq = config.model, config.schedule.seq_length
-    for tp in _pick(space.tp, [d for d in divisors(world) if d <= device.gpus_per_node]):
+    # TP inside one NVLink domain (a node; a GB200 NVL72 rack, whose groups must not straddle racks).
+    nvl = device.nvlink_gpus
+    tps = [d for d in divisors(world) if d <= nvl and (world <= nvl or nvl % d == 0)]
+    for tp in _pick(space.tp, tps):
         for pp, vpp, split in _pipeline_options(m.num_layers, divisors(world // tp), space):
             cps = [c for c in divisors(world // (tp * pp))
                    if c <= space.max_cp and c & (c - 1) == 0 and seq % (2 * c) == 0]

@@ -16,7 +16,9 @@ gathers and reduce-scatters), M microbatches, and (p-1)/v the interleaved-1F1B b
 units of t_mb. Sharded data parallelism (ZeRO-2/3, Megatron-FSDP) communicates inside every
 microbatch (zero_comm_s); HSDP keeps that inside a shard group and adds one all-reduce
 across the replicas per step (dp_comm_s); optimizer CPU offload adds PCIe copies and the CPU
-optimizer step (offload_s).
+optimizer step (offload_s). Muon (optimizer.name=muon) adds its Newton-Schulz GEMMs once per
+step (optimizer_s) and, in its TP modes that communicate, their all-gathers / all-reduces
+over TP (comm "muon"; launch.planner.muon has the formulas).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 
 from launch.planner.candidate import Candidate
 from launch.planner.devices import Device
+from launch.planner import muon as _muon
 from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
 from launch.planner.memory import edge_stages, host_bytes, params_on_rank
 from models.flops import forward_flops_per_token, training_flops_per_step
@@ -77,10 +80,11 @@ class StepEstimate:
     step_s: float
     compute_s: float  # M x slowest stage's compute per microbatch
     bubble_s: float
-    comm_s: dict[str, float]  # exposed seconds per step, by kind (tp, cp, ep, zero, pp, dp, offload)
+    comm_s: dict[str, float]  # exposed seconds per step, by kind (tp, cp, ep, zero, pp, dp, offload, muon)
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (as in metrics.jsonl), not counting recompute
     mfu: float
+    optimizer_s: float = 0.0  # Muon's Newton-Schulz GEMMs per step (0 for AdamW)
 
     @property
     def exposed_comm_s(self) -> float:
@@ -181,8 +185,8 @@ def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOp
 
 def _bandwidth(span: int, device: Device, opts: ThroughputOptions) -> float:
     """Bytes/s for a group whose ranks cover `span` consecutive ranks: NVLink if that fits
-    in a node, else InfiniBand."""
-    gbps = device.intra_node_gbps if span <= device.gpus_per_node else device.inter_node_gbps
+    in the NVLink domain (a node; a GB200 NVL72 rack), else InfiniBand."""
+    gbps = device.intra_node_gbps if span <= device.nvlink_gpus else device.inter_node_gbps
     return gbps * 1e9 * opts.bus_efficiency
 
 
@@ -253,6 +257,7 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     d = DP x CP, expert over expert-DP; the group spans world/p ranks):
       ZeRO-0: all-reduce of the fp32 grads 2 (d-1)/d x 4 P;
       ZeRO-1: reduce-scatter (d-1)/d x 4 P + all-gather of the updated params (d-1)/d x e P;
+              Muon's layer-wise optimizer: all-reduce 2 (d-1)/d x 4 P + that all-gather;
       ZeRO-2: all-gather of the updated params inside the shard group of s = d / r ranks,
               (s-1)/s x e P (its reduce-scatters are per microbatch: zero_comm_s);
       ZeRO-3: nothing here (parameters are gathered where they are used);
@@ -274,7 +279,11 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     for count, d in ((worst.dense, c.dense_shard), (worst.expert, c.expert_shard)):
         if d == 1 or count == 0:
             continue
-        if c.distributed_optimizer:
+        if c.muon and _muon.layer_wise(c):
+            # Megatron's layer-wise optimizer: DDP all-reduces the grads, then the updated
+            # parameters are all-gathered.
+            total += (2 * c.grad_bytes + c.param_bytes) * (d - 1) / d * count / bw
+        elif c.distributed_optimizer:
             total += (d - 1) / d * count * (c.grad_bytes + c.param_bytes) / bw
         else:
             total += 2 * (d - 1) / d * count * c.grad_bytes / bw
@@ -310,6 +319,27 @@ def offload_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     return pcie + cpu
 
 
+def muon_optimizer_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """Newton-Schulz per step on the busiest edge stage: its FLOPs (launch.planner.muon
+    .ns_flops_per_step) at the GEMM efficiency of their dtype (bf16 at fp32_matmul_prec=medium);
+    0 without Muon."""
+    if not c.muon:
+        return 0.0
+    dtype = _muon.ns_peak_dtype(c)
+    efficiency = opts.efficiency if opts.efficiency is not None else opts.efficiencies.gemm(dtype, False)
+    flops = max(_muon.ns_flops_per_step(c, s) for s in edge_stages(c))
+    return flops / (device.peak(dtype) * efficiency)
+
+
+def muon_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """Muon's TP communication per step (launch.planner.muon.ns_comm_bytes_per_step) over the
+    TP group's link; not overlapped (it runs inside the optimizer step)."""
+    if not c.muon or max(c.tp, c.etp) == 1:
+        return 0.0
+    volume = max(_muon.ns_comm_bytes_per_step(c, s) for s in edge_stages(c))
+    return volume / _bandwidth(max(c.tp, c.etp), device, opts)
+
+
 def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = ThroughputOptions()) -> StepEstimate:
     """Time per step, tokens/s, model TFLOP/s per GPU and MFU for `c` on `device`."""
     compute_mb = max(stage_compute_s(c, s, device, opts) for s in edge_stages(c))
@@ -327,12 +357,15 @@ def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = Throug
     comm["pp"] = pp_comm_s(c, device, opts) * (1 - opts.pp_overlap)
     comm["dp"] = dp_comm_s(c, device, opts) * (1 - opts.dp_overlap)
     comm["offload"] = offload_s(c, device, opts) * (1 - opts.offload_overlap)
-    step = t_mb * m + bubble + comm["pp"] + comm["dp"] + comm["offload"]
+    if c.muon:  # AdamW plans keep their JSON keys
+        comm["muon"] = muon_comm_s(c, device, opts)
+    optimizer = muon_optimizer_s(c, device, opts)
+    step = t_mb * m + bubble + comm["pp"] + comm["dp"] + comm["offload"] + comm.get("muon", 0.0) + optimizer
     tokens = c.global_batch * c.seq_length
     model_flops = training_flops_per_step(c.model, c.seq_length, c.global_batch)
     tflops = model_flops / step / c.world_size / 1e12
     return StepEstimate(
         step_s=step, compute_s=compute_mb * m, bubble_s=bubble, comm_s=comm,
         tokens_per_s=tokens / step, tflops_per_gpu=tflops,
-        mfu=tflops * 1e12 / device.peak(c.dtype, c.fp8),
+        mfu=tflops * 1e12 / device.peak(c.dtype, c.fp8), optimizer_s=optimizer,
     )

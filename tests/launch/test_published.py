@@ -15,13 +15,15 @@ from launch.planner.memory import activation_bytes, fp8_buffer_bytes, linear_lay
 from models.config import get_flavor
 from models.layout import ParallelLayout
 
-# Rows in published.yaml: 8 Megatron-Bridge DGX-H100 FP8 rows + 3 of our H100 runs.
+# Calibration rows in published.yaml: 8 Megatron-Bridge DGX-H100 FP8 rows + 3 of our H100 runs;
+# + 2 MoE rows (Qwen3-30B-A3B) reported, not fitted.
 EXPECTED_ROWS = 11
+EXPECTED_MOE_ROWS = 2
 
 
 @pytest.fixture(scope="module")
 def table():
-    return published.table_rows(published.load_rows())
+    return published.table_rows(published.calibration_rows(published.load_rows()))
 
 
 def test_every_row_within_15_percent_and_fits(table):
@@ -35,9 +37,22 @@ def test_every_row_within_15_percent_and_fits(table):
 def test_constants_are_the_fit():
     """Refitting from the same start reproduces the constants (to the 3 decimals kept): no
     per-row or hand tuning hides in them."""
-    fitted = published.fit_efficiencies(published.load_rows())
+    fitted = published.fit_efficiencies(published.calibration_rows(published.load_rows()))
     for kind in published.FITTED_KINDS:
         assert getattr(fitted, kind) == pytest.approx(getattr(DEFAULT_EFFICIENCIES, kind), abs=0.003), kind
+
+
+def test_moe_rows_are_reported_with_the_known_gap():
+    """The published MoE rows (Qwen3-30B-A3B on 16 H100s, EP8) are estimated at their layout and
+    printed in the table, not fitted. The planner over-predicts them by far more than 15%: it has
+    no MoE dispatch/permutation or small-grouped-GEMM term. When a change brings them within
+    15%, move them into calibration (drop `fit: false`) rather than loosening this test."""
+    rows = [r for r in published.load_rows() if not r.get("fit", True)]
+    assert len(rows) == EXPECTED_MOE_ROWS
+    table = published.table_rows(rows)
+    assert all(published.row_candidate(r).ep == 8 and published.row_candidate(r).model.is_moe for r in rows)
+    assert all(r["error"] > 0.15 for r in table), [(r["source"], r["error"]) for r in table]
+    assert "[not fitted]" in published.markdown(table)
 
 
 def _llama8b(fp8: bool) -> Candidate:

@@ -111,7 +111,7 @@ def test_device_table():
     assert get_device("h100").memory_gib == pytest.approx(79.6, abs=0.1)
     assert get_device("H200").name == "h200-141gb"
     assert get_device("h100-80gb").peak("bf16") == 989.4e12
-    with pytest.raises(UnknownDeviceError, match="unknown GPU type 'a100'.*Known: cpu, h100-80gb"):
+    with pytest.raises(UnknownDeviceError, match="unknown GPU type 'a100'.*Known: b200-180gb, cpu, gb200-186gb, h100-80gb"):
         get_device("a100")
 
 
