@@ -1,7 +1,8 @@
 """Per-layer expert load in metrics.jsonl (pretrain.moe_load): the numbers of one rank are the
 numbers of EP2 (experts and the batch split over two ranks), PP2 (layers split over two
-stages) and full activation recompute, for the same run of tiny-qwen3-moe (8 experts, top-4, 4 layers), logged every 2 steps
-(the load counts every micro-batch of the 2 steps since the last log)."""
+stages) and full activation recompute, for the same run of tiny-qwen3-moe (8 experts, top-4,
+4 layers), logged every 2 steps (the load counts every micro-batch of the 2 steps since the
+last log)."""
 
 from __future__ import annotations
 
