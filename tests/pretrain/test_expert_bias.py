@@ -1,6 +1,6 @@
 """Aux-loss-free routing (model.moe_router_enable_expert_bias, sigmoid scores): the expert bias
 that Megatron-Core's finalize_model_grads moves after every global batch is trained the same at
-EP2 as on one rank, kept in the checkpoint and restored on resume; bad settings are refused in
+EP2 and at ZeRO-3 DP2 (Megatron-FSDP; slow) as on one rank, kept in the checkpoint and restored on resume; bad settings are refused in
 one line before any process group.
 
 tiny-qwen3-moe with sigmoid scores, the bias on at rate 1e-2 and the aux loss off (so only the
@@ -58,18 +58,24 @@ def reference(module_tmp_factory) -> dict:
     return ref
 
 
+LAYOUTS = {"EP2": ["parallel.expert_parallel=2"],
+           # Megatron-FSDP: the router (and its bias buffer) in a sharded wrapper, experts over expert-DP 2.
+           "DP2-ZeRO3": ["parallel.sharding=zero3"]}
+
+
 @pytest.mark.distributed
-def test_expert_bias_at_ep2_matches_one_rank(reference, tmp_path):
-    got = _run(tmp_path, "EP2", 2, ["parallel.expert_parallel=2", f"checkpoint.save_interval={STEPS}"])
-    loss = assert_steps_close(got["loss"], reference["loss"], rtol=1e-5, what="EP2 loss")
-    norm = assert_steps_close(got["grad_norm"], reference["grad_norm"], rtol=1e-5, what="EP2 grad norm")
-    assert got["load"] == pytest.approx(reference["load"], rel=1e-9), "EP2 logged another expert load"
+@pytest.mark.parametrize("name", ["EP2", pytest.param("DP2-ZeRO3", marks=pytest.mark.slow)])
+def test_expert_bias_layout_matches_one_rank(reference, tmp_path, name):
+    got = _run(tmp_path, name, 2, LAYOUTS[name] + [f"checkpoint.save_interval={STEPS}"])
+    loss = assert_steps_close(got["loss"], reference["loss"], rtol=1e-5, what=f"{name} loss")
+    norm = assert_steps_close(got["grad_norm"], reference["grad_norm"], rtol=1e-5, what=f"{name} grad norm")
+    assert got["load"] == pytest.approx(reference["load"], rel=1e-9), f"{name} logged another expert load"
     keys = sorted(reference["weights"])
     assert keys == sorted(got["weights"]) and BIAS in keys
     assert torch.equal(got["weights"][BIAS], reference["weights"][BIAS]), "the expert bias differs"
     worst = {k: (got["weights"][k] - reference["weights"][k]).abs().max().item() for k in keys}
     top = max(worst, key=worst.get)
-    print(f"\nEP2 with the expert bias: loss {loss:.1e}, grad norm {norm:.1e} (max relative), "
+    print(f"\n{name} with the expert bias: loss {loss:.1e}, grad norm {norm:.1e} (max relative), "
           f"weights {worst[top]:.1e} ({top}); bias equal")
     assert worst[top] <= 1e-5, (top, worst[top])
 
