@@ -1,7 +1,7 @@
 """Aux-loss-free routing (model.moe_router_enable_expert_bias, sigmoid scores): the expert bias
 that Megatron-Core's finalize_model_grads moves after every global batch is trained the same at
-EP2 and at ZeRO-3 DP2 (Megatron-FSDP; slow) as on one rank, kept in the checkpoint and restored on resume; bad settings are refused in
-one line before any process group.
+EP2 and at ZeRO-3 DP2 (Megatron-FSDP; slow) as on one rank, kept in the checkpoint and restored
+on resume; bad settings are refused in one line before any process group.
 
 tiny-qwen3-moe with sigmoid scores, the bias on at rate 1e-2 and the aux loss off (so only the
 bias balances), fp32, at test_parity.py's lr: per-step loss and grad norm within 1e-5, the
