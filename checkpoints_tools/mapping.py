@@ -162,6 +162,12 @@ def _llama_problems(model: ModelConfig) -> list[str]:
         problems.append("linear biases (add_bias_linear / add_qkv_bias)")
     if model.moe_shared_expert_hidden_size:
         problems.append("a shared expert (moe_shared_expert_hidden_size; Mixtral and Qwen3-MoE have none)")
+    if model.moe_router_score_function != "softmax":
+        problems.append(f"moe_router_score_function={model.moe_router_score_function} (Mixtral and Qwen3-MoE route "
+                        "by softmax)")
+    if model.moe_router_enable_expert_bias:
+        problems.append("moe_router_enable_expert_bias=true (the aux-loss-free routing bias; Mixtral and Qwen3-MoE "
+                        "have none)")
     return problems
 
 

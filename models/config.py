@@ -89,6 +89,15 @@ class ModelConfig(BaseModel):
     # Mixtral, Qwen3-30B-A3B). True: a softmax over all experts, then the top k, weights kept
     # as they are (HF's norm_topk_prob=false); the only form that gives top-1 a gradient.
     moe_router_pre_softmax: bool = False
+    # Router scores (Megatron-Core's moe_router_score_function): softmax, or sigmoid per expert
+    # (DeepSeek-V3), whose top-k scores are renormalised to sum to 1 when top-k > 1.
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # Aux-loss-free load balancing (DeepSeek-V3; Megatron-Core's moe_router_enable_expert_bias):
+    # a per-expert bias, added to the scores only to choose the top k, moves after every
+    # global batch by +-moe_router_bias_update_rate toward the mean load (finalize_model_grads
+    # counts the tokens over TP x CP x DP). Starts at zero; a buffer kept in checkpoints.
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: Optional[float] = Field(default=None, gt=0)  # None: 1e-3 (Megatron-Core's)
     moe_shared_expert_hidden_size: Optional[int] = Field(default=None, gt=0)
     # Load-balancing (Switch) aux loss weight; 0 turns it off. Logged as `moe_aux_loss`.
     moe_aux_loss_coeff: float = Field(default=1e-2, ge=0)
@@ -149,13 +158,17 @@ class ModelConfig(BaseModel):
             # megatron/core/transformer/moe/shared_experts.py: "bias is not supported in the shared experts".
             raise ValueError("moe_shared_expert_hidden_size needs add_bias_linear=false (Megatron-Core's shared "
                              "expert has no biases)")
+        self._check_router()
         moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
                     "moe_shared_expert_hidden_size": self.moe_shared_expert_hidden_size,
                     "moe_capacity_factor": self.moe_capacity_factor,
                     "moe_z_loss_coeff": self.moe_z_loss_coeff}
         set_without_experts = [k for k, v in moe_only.items() if v is not None]
-        if self.moe_router_pre_softmax:
-            set_without_experts.append("moe_router_pre_softmax")
+        for flag in ("moe_router_pre_softmax", "moe_router_enable_expert_bias"):
+            if getattr(self, flag):
+                set_without_experts.append(flag)
+        if self.moe_router_score_function != "softmax":
+            set_without_experts.append("moe_router_score_function")
         if self.num_experts is None and set_without_experts:
             raise ValueError(f"{', '.join(set_without_experts)} need(s) a MoE model; set num_experts")
         if not self.use_mup:
@@ -173,6 +186,23 @@ class ModelConfig(BaseModel):
         if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
             raise ValueError("moe_pad_to_capacity=true needs moe_capacity_factor (the capacity to pad to)")
         return self
+
+    def _check_router(self) -> None:
+        if self.moe_router_score_function == "sigmoid" and self.moe_router_pre_softmax:
+            raise ValueError("moe_router_pre_softmax=true is a softmax option; with moe_router_score_function=sigmoid "
+                             "set it false (sigmoid scores are renormalised over the top k)")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            # Megatron-Core's TransformerConfig refuses it too ("Expert bias for aux-loss-free
+            # routing only supports 'sigmoid' and 'sqrtsoftplus' score functions").
+            raise ValueError("moe_router_enable_expert_bias=true needs moe_router_score_function=sigmoid "
+                             "(Megatron-Core adds the bias to sigmoid scores only)")
+        if self.moe_router_bias_update_rate is not None and not self.moe_router_enable_expert_bias:
+            raise ValueError("moe_router_bias_update_rate is set but moe_router_enable_expert_bias=false: it would "
+                             "change nothing; set moe_router_enable_expert_bias=true or drop the rate")
+
+    @property
+    def expert_bias_update_rate(self) -> float:
+        return self.moe_router_bias_update_rate or 1e-3
 
     @property
     def query_groups(self) -> int:

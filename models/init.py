@@ -145,7 +145,8 @@ def _draw(name: str, shape: list[int], model: ModelConfig, seed: int, device) ->
 
 @torch.no_grad()
 def initialize_weights(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> None:
-    """Overwrite every parameter of every chunk with its layout-invariant initial value."""
+    """Overwrite every parameter of every chunk with its layout-invariant initial value (and
+    the routers' expert bias with zero)."""
     for chunk in chunks:
         names = global_param_names(chunk)
         module = chunk.module if hasattr(chunk, "module") else chunk
@@ -166,3 +167,8 @@ def initialize_weights(chunks: list[torch.nn.Module], model: ModelConfig, seed: 
                 # (init_method is _keep), so without this the masters would start from
                 # uninitialised memory and the first update would overwrite our weights with it.
                 param._high_precision_init_val = value.detach().to(kept.dtype).cpu()
+        for local_name, buffer in module.named_buffers():
+            if local_name.endswith("router.expert_bias"):
+                # The aux-loss-free routing bias (a persistent buffer, not a parameter) starts at
+                # zero on every layout: set here rather than trusting the constructor's zeros.
+                buffer.zero_()

@@ -29,6 +29,7 @@ from pretrain.metrics import (
     info,
     peak_memory_gb,
 )
+from pretrain.moe_load import ExpertLoad
 from pretrain.netcheck import check_network, log_placement
 from pretrain.runtime import collective_device, init_distributed, is_logging_rank, read_dist_env, world_size_from_env
 from pretrain.checkpointing import checkpointer as checkpoint
@@ -60,6 +61,7 @@ class Run:
     profiler: Optional[step_profiler.StepProfiler] = None
     stragglers: Optional[StragglerReport] = None
     tracker_runs: Optional[dict] = None  # stored in every checkpoint, so a resume continues them
+    expert_load: Optional[ExpertLoad] = None  # MoE: tokens per expert per layer (metrics.jsonl)
 
 
 def setup(config: ExperimentConfig) -> Run:
@@ -151,6 +153,8 @@ def _setup_distributed(config: ExperimentConfig, world_size: int, spec: str, res
         stragglers=(StragglerReport(config.logging.straggler_interval, timers, _pipeline_rank(), start_step)
                     if config.logging.straggler_interval else None),
         tracker_runs=_share_tracker_runs(trackers.run_ids(), log_rank) if tracking else None,
+        expert_load=(ExpertLoad(state.model, config.model.num_layers, config.model.num_experts, collective_device())
+                     if config.model.is_moe else None),
     )
 
 
@@ -211,10 +215,12 @@ def train(run: Run, start_step: int = 0) -> list[StepMetrics]:
                     profiler.after_step(step)
             excluded = time.perf_counter() - excluded
             stragglers = run.stragglers.after_step(step) if run.stragglers else None
-            metrics = _step_metrics(run, step, result, step_time, skipped, stragglers)
+            interval = step % config.logging.log_interval == 0 or step == sched.train_steps
+            # Every rank takes part in the load's all-reduce, so only at steps all ranks agree on.
+            load = run.expert_load.take() if run.expert_load and interval else {}
+            metrics = _step_metrics(run, step, result, step_time, skipped, stragglers, load)
             history.append(metrics)
-            if (step % config.logging.log_interval == 0 or step == sched.train_steps or metrics.skipped
-                    or stragglers):
+            if interval or metrics.skipped or stragglers:
                 run.writer.log(metrics, sched.train_steps)
             if stragglers and stragglers.warning(config.logging.straggler_warn_ratio):
                 info(stragglers.warning(config.logging.straggler_warn_ratio), run.log_rank)
@@ -263,7 +269,7 @@ def _report_skip(run: Run, step: int, result, skipped: int) -> None:
 
 
 def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: int,
-                  stragglers: Optional[StragglerStats]) -> StepMetrics:
+                  stragglers: Optional[StragglerStats], expert_load: dict) -> StepMetrics:
     tps, tps_dev, tflops, mfu = run.throughput.compute(step_time)
     return StepMetrics(
         step=step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm, step_time_s=step_time,
@@ -271,6 +277,7 @@ def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: 
         peak_mem_gb=peak_memory_gb(), overhead_frac=max(0.0, 1.0 - result.compute_time_s / step_time),
         skipped=result.skipped, skipped_steps=skipped_total, loss_scale=result.loss_scale,
         moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss, attention_fraction=result.attention_fraction,
+        moe_aux_loss_layers=result.moe_aux_loss_layers, **expert_load,
         **(stragglers.metrics() if stragglers else {}),
     )
 

@@ -89,6 +89,13 @@ class StepMetrics:
     # MoE: mean load-balancing loss over MoE layers (1.0 = even routing) and router z-loss.
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
+    # MoE, per MoE layer in layer order (pretrain.moe_load): the load-balancing loss of this
+    # step, and on log_interval steps the expert load over the steps since the last one:
+    # max and min tokens per expert over the mean (1.0 = even) and their std / mean.
+    moe_aux_loss_layers: Optional[list[float]] = None
+    moe_load_max: Optional[list[float]] = None
+    moe_load_min: Optional[list[float]] = None
+    moe_load_cv: Optional[list[float]] = None
     # Document masking (data.reset_attention_mask): the share of dense causal attention work
     # that ran (models.flops.document_attention_fraction, mean over the logging rank's
     # samples). tflops_per_device and mfu still count the dense formula (see README).
@@ -204,6 +211,8 @@ def format_line(m: StepMetrics, total_steps: int) -> str:
         parts.append(f"aux {m.moe_aux_loss:.4f}")
     if m.moe_z_loss is not None:
         parts.append(f"z {m.moe_z_loss:.3f}")
+    if m.moe_load_max:
+        parts.append(f"load max/mean {max(m.moe_load_max):.2f}")
     parts.append(f"mem {m.peak_mem_gb:.2f} GB")
     if m.loss_scale is not None:
         parts.append(f"scale {m.loss_scale:g}")

@@ -22,6 +22,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from pretrain.config import ExperimentConfig
 from pretrain.runtime import collective_device
+from pretrain.moe_load import router_losses
 from pretrain.wrap import TrainingState
 
 
@@ -118,6 +119,7 @@ class StepResult:
     # and micro-batches: load balancing (1.0 = perfectly even) and z-loss; None if off.
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
+    moe_aux_loss_layers: Optional[list[float]] = None  # the load-balancing loss per MoE layer
     # Document masking: mean share of the dense causal attention work that ran, over this
     # rank's samples of the step (None when attention is not reset at documents).
     attention_fraction: Optional[float] = None
@@ -154,20 +156,11 @@ def run_schedule(state: TrainingState, iterators: list, config: ExperimentConfig
     )
 
 
-def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> dict[str, float]:
-    """Reduce and reset Megatron-Core's per-layer MoE loss tracker (every rank calls this).
-
-    The routers add each micro-batch's loss share to the tracker; its `report` sums the
-    shares over PP and TP x CP and averages over DP, as Megatron-LM's training loop does.
-    """
+def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> tuple[dict[str, float], dict]:
+    """Megatron-Core's per-layer MoE loss tracker, reduced and reset (pretrain.moe_load)."""
     if not config.model.is_moe:
-        return {}
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    totals: dict = {}
-    get_moe_metrics_tracker().report(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals,
-                                     num_layers=config.model.num_layers)
-    return {name: float(value) for name, value in totals.items()}
+        return {}, {}
+    return router_losses(config.model.num_layers, num_microbatches)
 
 
 def _local_grads_bad(state: TrainingState) -> bool:
@@ -214,8 +207,9 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = run_schedule(state, iterators, config, num_microbatches, forward_only=False)
-    router = moe_router_losses(config, num_microbatches)
+    router, per_layer = moe_router_losses(config, num_microbatches)
     moe = dict(moe_aux_loss=router.get("load_balancing_loss"), moe_z_loss=router.get("z_loss"),
+               moe_aux_loss_layers=per_layer.get("load_balancing_loss"),
                attention_fraction=_attention_fraction(iterators))
     if config.runtime.inject_nan_step == step:
         _inject_nan(state)

@@ -25,6 +25,8 @@ top tokens are clear, and head_dim 32 (4 heads), which vLLM's CPU attention serv
   vllm-moe:   tiny-moe (Mixtral-style), TP2 (+SP) x EP2.
   vllm-docs:  trained with document masking (attention, positions and the EOD loss reset at
               document boundaries), TP2 x DP2: the export format is the same.
+  vllm-qwen3: the tiny-qwen3 flavor as it is (its head_dim is 32 already), TP2 (+SP) x PP2.
+  vllm-qwen3-moe: the tiny-qwen3-moe flavor as it is, TP2 (+SP) x EP2 (expert TP 2).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ MODELS = {  # name -> (recipe, overrides)
 }
 # head_dim 32 and a few dozen steps on real text (see the module docstring).
 VLLM = ["data.demo=true", "data.mock=false", "schedule.train_steps=30", "model.num_attention_heads=4"]
+VLLM_AS_IS = [o for o in VLLM if not o.startswith("model.")]  # flavors whose head_dim vLLM serves
 ROPE = ["model.rope_scaling=true", "model.rope_scaling_factor=4.0", "model.rope_scaling_low_freq_factor=2.0",
         "model.rope_scaling_high_freq_factor=8.0", "model.rope_scaling_original_max_position_embeddings=128"]
 # The tiny-gpt flavor's architecture through the tiny-llama recipe (as tests/pretrain does).
@@ -74,6 +77,9 @@ MODELS.update({
                                      "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"]),
     "vllm-docs": ("tiny-llama", ["parallel.tensor_parallel=2"] + VLLM
                   + ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"]),
+    "vllm-qwen3": ("tiny-qwen3", TP2PP2 + VLLM_AS_IS + ["parallel.sequence_parallel=true"]),
+    "vllm-qwen3-moe": ("tiny-qwen3-moe", VLLM_AS_IS + ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+                                                       "parallel.expert_parallel=2"]),
 })
 LLAMA3_OTHER_VALUES = {"factor": 16.0, "low_freq_factor": 1.5, "high_freq_factor": 6.0,
                        "original_max_position_embeddings": 96}

@@ -28,7 +28,8 @@ pytest.importorskip("transformers")
 # shape -> trained model of conftest.MODELS (trained at TP2 or PP2); "imported-rope" is an HF
 # Llama with non-default Llama-3.1 RoPE values, imported at TP2 and exported again.
 SHAPES = {"llama-gqa": "vllm-llama", "llama3-rope": "vllm-rope", "tied-mqa": "vllm-tied", "gpt": "vllm-gpt",
-          "mixtral": "vllm-moe", "docs-masked": "vllm-docs", "imported-rope": None}
+          "mixtral": "vllm-moe", "docs-masked": "vllm-docs", "qwen3": "vllm-qwen3", "qwen3-moe": "vllm-qwen3-moe",
+          "imported-rope": None}
 TOKENS = 3 * 16  # default prompts x --max-tokens
 
 
