@@ -33,8 +33,8 @@ needs_emerging_optimizers = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    run_dir = tmp_path_factory.mktemp("muon")
+def runs(module_tmp_factory) -> dict:
+    run_dir = module_tmp_factory.mktemp("muon")
     return run_ranks(1, "tests.pretrain.muon_reference:run_ours_and_references", recipe="tiny-llama",
                      overrides=MATCHING + [f"logging.run_dir={run_dir}"])[0]
 

@@ -44,9 +44,9 @@ def _losses(nproc: int, extra: list[str], run_dir) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory) -> list[float]:
+def one_rank(module_tmp_factory) -> list[float]:
     # Plain Muon (no layer-wise distributed optimizer), so the DP2 ZeRO-1 run is checked against it.
-    return _losses(1, ["optimizer.distributed=false"], tmp_path_factory.mktemp("one"))
+    return _losses(1, ["optimizer.distributed=false"], module_tmp_factory.mktemp("one"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
