@@ -25,7 +25,12 @@ IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def nodes_in_job(environ: dict) -> int:
-    """How many nodes the job spans: Slurm's count, or torchrun's world / local world."""
+    """How many nodes the job spans now: torchrun's agent count (GROUP_WORLD_SIZE, one agent
+    per node), else Slurm's count, else torchrun's world / local world. torchrun's first:
+    after an elastic shrink Slurm's SLURM_JOB_NUM_NODES / SLURM_NNODES keep the count the job
+    started with (measured on the 3-node cluster, tests/launch/test_multinode_elastic.py)."""
+    if environ.get("GROUP_WORLD_SIZE", "").isdigit() and int(environ["GROUP_WORLD_SIZE"]):
+        return int(environ["GROUP_WORLD_SIZE"])
     for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
         if environ.get(name, "").isdigit():
             return int(environ[name])
