@@ -197,6 +197,34 @@ def check_sample_budget(*, blend, mock: bool, split: str, seq_length: int, num_s
             f"{need / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory")
 
 
+def one_epoch_samples(*, blend, split: str, seq_length: int, part: int) -> tuple[int, str, int]:
+    """The most samples one split (`part`: 0 train, 1 validation, 2 test) of a blend gives
+    before Megatron-Core's GPTDataset repeats its sequences (a second, reshuffled epoch), with
+    the source that limits it and that source's tokens in the split: (samples, prefix, tokens).
+    Exact per source: the split's sequences are the builder's book-ends over sequence_lengths,
+    a sample takes seq_length tokens of the epoch plus one (the shifted label), and a blend
+    asks each source for its weight's share plus the builder's 0.5% margin."""
+    from data_pipeline.indexed_writer import open_index
+
+    total_weight = sum(float(w) for w, _ in blend)
+    best = None
+    for weight, prefix in blend:
+        index = open_index(prefix)  # kept while its lengths are read: they are a view of its mmap
+        lengths = index.sequence_lengths
+        counts = split_documents(split, len(lengths))
+        start = sum(counts[:part])
+        tokens = int(lengths[start:start + counts[part]].sum(dtype="int64"))
+        fits = max(0, (tokens - 1) // seq_length)
+        if len(blend) > 1:
+            share = float(weight) / total_weight * 1.005
+            fits = int(fits / share)
+            while fits and math.ceil(fits * share) > max(0, (tokens - 1) // seq_length):
+                fits -= 1
+        if best is None or fits < best[0]:
+            best = (fits, prefix, tokens)
+    return best
+
+
 @dataclasses.dataclass(frozen=True)
 class DocumentMasking:
     """Megatron-LM's three switches for packed samples (see pretrain's DataConfig). A

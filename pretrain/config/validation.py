@@ -347,7 +347,30 @@ def validate_data(config: ExperimentConfig, *, prepare_demo: bool = False):
         raise ConfigError(f"schedule.train_steps={sched.train_steps} x global_batch_size="
                           f"{sched.global_batch_size} asks too much of the data: {exc}; lower "
                           "schedule.train_steps or add data") from None
+    if not data.mock:
+        _check_heldout_fits(config, blend)
     return tokenizer
+
+
+def _check_heldout_fits(config: ExperimentConfig, blend) -> None:
+    """schedule.final_eval_steps reads each held-out sample once: a request the validation
+    split cannot give without Megatron repeating its documents would count some twice, and the
+    standard error, which assumes independent batches, would be understated."""
+    from data_pipeline.datasets import one_epoch_samples
+
+    sched = config.schedule
+    asked = sched.final_eval_steps * sched.global_batch_size
+    if not asked:
+        return
+    fits, prefix, tokens = one_epoch_samples(blend=blend, split=config.data.split, seq_length=sched.seq_length,
+                                             part=1)
+    if asked > fits:
+        raise ConfigError(
+            f"schedule.final_eval_steps={sched.final_eval_steps} x global_batch_size={sched.global_batch_size} "
+            f"asks {asked:,} held-out samples of {sched.seq_length} tokens, but the validation split of {prefix} "
+            f"holds {tokens:,} tokens ({fits:,} samples before its documents repeat); set "
+            f"schedule.final_eval_steps<={fits // sched.global_batch_size} or give the validation split more "
+            "documents (data.split's middle part, or more data)")
 
 
 def _warn_without_eod(blend: list, eod: int, key: str) -> None:

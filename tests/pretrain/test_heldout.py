@@ -47,3 +47,20 @@ def test_a_held_out_evaluation_needs_a_validation_split(tmp_path):
 
     with pytest.raises(ConfigError, match="schedule.final_eval_steps=4 needs validation data"):
         _config(tmp_path, "data.split=100,0,0", "schedule.eval_interval=0")
+
+
+def test_a_held_out_set_larger_than_the_validation_split_is_refused_before_it_repeats(tmp_path):
+    """The demo's validation split holds 50 batches of 8 x 64 tokens: the 51st would make
+    Megatron start a second epoch (documents counted twice), so it is refused in one line."""
+    from pretrain.config import ConfigError
+    from pretrain.config.validation import validate_data
+
+    fits = _config(tmp_path, "schedule.final_eval_steps=50")
+    validate_data(fits, prepare_demo=True)
+    too_many = _config(tmp_path, "schedule.final_eval_steps=51")
+    with pytest.raises(ConfigError, match=r"final_eval_steps=51 .* \(405 samples before its documents repeat\); "
+                                          r"set schedule.final_eval_steps<=50"):
+        validate_data(too_many, prepare_demo=True)
+    # The boundary is Megatron's own: 50 batches are one epoch of the split, 51 are two.
+    documents = [len(build_datasets(c, 1).heldout.document_index) for c in (fits, too_many)]
+    assert documents[1] == 2 * documents[0]

@@ -5,6 +5,8 @@ Per-step losses must match within 1e-5 relative for 5 steps (issue: pretraining 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.compare import assert_steps_close
@@ -20,7 +22,7 @@ BASE = [
     f"schedule.train_steps={STEPS}", "schedule.micro_batch_size=2", "schedule.global_batch_size=8",
     "schedule.seq_length=64", "schedule.eval_interval=0", "schedule.warmup_steps=2",
     "data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
-    "optimizer.lr=1e-2",
+    "optimizer.lr=1e-2", "schedule.final_eval_steps=2",
 ]
 
 LAYOUTS = {
@@ -33,13 +35,19 @@ LAYOUTS = {
 }
 
 
+def _heldout(run_dir) -> list[float]:
+    """The final held-out evaluation's per-batch losses (schedule.final_eval_steps)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [loss for r in records if "val_batch_losses" in r for loss in r["val_batch_losses"]]
+
+
 @pytest.fixture(scope="module")
-def reference(module_tmp_factory) -> list[float]:
+def reference(module_tmp_factory) -> tuple[list[float], list[float]]:
     run_dir = module_tmp_factory.mktemp("ref")
     losses = logged_losses(run_ranks(1, "tests.pretrain.workers:train", recipe="tiny-llama",
                                      overrides=BASE + [f"logging.run_dir={run_dir}"]))
     assert len(losses) == STEPS
-    return losses
+    return losses, _heldout(run_dir)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -49,9 +57,13 @@ def test_layout_matches_single_rank(name, reference, tmp_path):
                         overrides=BASE + extra + [f"logging.run_dir={tmp_path}"])
     losses = logged_losses(results)
     assert len(losses) == STEPS
-    assert_steps_close(losses, reference, rtol=1e-5, what=f"{name} loss vs single-rank")
+    assert_steps_close(losses, reference[0], rtol=1e-5, what=f"{name} loss vs single-rank")
     # The run must actually train, or parity would be trivial.
     assert losses[-1] < losses[0]
+    # The held-out loss the scaling fits read is the same evaluation in every layout: each
+    # batch reduced over DP (and read on the last stage), not one rank's share of it.
+    assert len(reference[1]) == 2
+    assert_steps_close(_heldout(tmp_path), reference[1], rtol=1e-5, what=f"{name} held-out loss vs single-rank")
 
 
 # One micro-batch of one sample per DP rank on mock data: rank 1 serves sample 1 first, whose labels
