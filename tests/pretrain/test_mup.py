@@ -121,7 +121,10 @@ LAYOUTS = {
     "PP2": (2, ["parallel.pipeline_parallel=2"]),
     "PP2xVPP2": (2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"]),
     "CP2": (2, ["parallel.context_parallel=2"]),  # our CP attention takes Megatron-Core's muP softmax scale
+    "ZeRO1-DP2": (2, ["parallel.sharding=zero1"]),
+    "ZeRO2-DP2": (2, ["parallel.sharding=zero2"]),
     "ZeRO3-DP2": (2, ["parallel.sharding=zero3"]),
+    "HSDP2x2-ZeRO3": (4, ["parallel.sharding=zero3", "parallel.hsdp_replicas=2"]),
 }
 
 
