@@ -242,6 +242,14 @@ def pp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     return 2 * c.vpp * c.num_microbatches * size / _bandwidth(c.world_size, device, opts)
 
 
+def pp_overlap(c: Candidate, opts: ThroughputOptions) -> float:
+    """The share of PP send/recv hidden: only the interleaved schedule (VPP > 1) can overlap it
+    (Megatron-Core's overlap_p2p_comm; its non-interleaved 1F1B raises "Non-interleaved pipeline
+    parallelism does not support overlapping p2p communication", pipeline_parallel/schedules.py),
+    so without VPP every send/recv is exposed whatever --overlap pp says."""
+    return opts.pp_overlap if c.vpp > 1 else 0.0
+
+
 def _worst_params(c: Candidate):
     return max((params_on_rank(c, s) for s in edge_stages(c)), key=lambda p: p.total)
 
@@ -354,7 +362,7 @@ def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = Throug
     m = c.num_microbatches
     bubble = t_mb * (c.pp - 1) / c.vpp
     comm = {k: v * m for k, v in exposed.items()}
-    comm["pp"] = pp_comm_s(c, device, opts) * (1 - opts.pp_overlap)
+    comm["pp"] = pp_comm_s(c, device, opts) * (1 - pp_overlap(c, opts))
     comm["dp"] = dp_comm_s(c, device, opts) * (1 - opts.dp_overlap)
     comm["offload"] = offload_s(c, device, opts) * (1 - opts.offload_overlap)
     if c.muon:  # AdamW plans keep their JSON keys
