@@ -5,6 +5,7 @@ are reported, not fitted: `calibration_rows`).
 
     python -m launch.planner.published            # the table (markdown), as in the README
     python -m launch.planner.published --fit      # refit the efficiencies and print them
+    python -m launch.planner.published --rank     # where the planner ranks each `fastest` layout
 
 Rows are built as `Candidate`s directly, not through the training's validation: the 405B
 layout needs Megatron-Core's embedding/loss pipeline split, which our training does not offer
@@ -159,8 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.planner.published", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="refit the efficiencies to the rows and print them")
+    p.add_argument("--rank", action="store_true",
+                   help="print the planner's rank of each layout marked fastest (recipe's settings, then ours)")
     args = p.parse_args(argv)
     rows = load_rows()
+    if args.rank:
+        for r in (r for r in rows if r.get("fastest")):
+            recipe, ours = (rank_of_published_layout(r, recipe_settings=s) for s in (True, False))
+            print(f"{r['source']} {r['model']} {r['gpus']} GPUs gbs {r['gbs']}: recipe's settings {recipe[0]} of "
+                  f"{recipe[1]}, ours {ours[0] or 'not fitting'} of {ours[1]}")
+        return 0
     fitted = calibration_rows(rows)
     eff = fit_efficiencies(fitted) if args.fit else DEFAULT_EFFICIENCIES
     if args.fit:

@@ -118,7 +118,7 @@ def test_every_fastest_row_is_a_case_below():
 
 
 # Known gaps (README, "Checked against measured runs"): 70B's PP8 last stage carries the logits
-# and the loss (2.2 layers' time on top of its 10 layers in the model), which PP1/PP2 layouts
+# and the loss (2.1 layers' time on top of its 10 layers in the model), which PP1/PP2 layouts
 # spread over 40-80 layers; 405B ties the best to 3 significant digits and the tie-break (more
 # headroom first) puts it 6th. Strict: when a change fixes them these xfails fail, drop them.
 _GAP_70B = "70B TP4xPP8xVPP5 ranks 246th of 993 (recipe's settings), 37th of 744 (ours)"
