@@ -133,15 +133,32 @@ def elementwise_bytes_per_token(c: Candidate) -> float:
     element): 2 norms read + write h (4 e h), 2 residual adds read 2 write 1 (6 e h), the
     activation function reads 2f writes f if gated (else reads and writes f), RoPE reads and
     writes Q and K (2 e (n + g) d); with FP8 each linear input is read in e and written in one
-    byte: (e + 1) (2h + n d + f). Launch overheads are not modelled."""
+    byte: (e + 1) (2h + n d + f). MoE (moe_dispatch_bytes_per_token): f is what a token's
+    experts run, k f_e (+ the shared expert's f_s), plus the dispatch's own passes. Launch
+    overheads are not modelled."""
     m, e = c.model, c.act_bytes
-    h, f, nd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.head_dim
+    h, nd = m.hidden_size, m.num_attention_heads * m.head_dim
+    f = m.ffn_hidden_size
+    if m.is_moe:
+        f = m.moe_router_topk * m.expert_ffn_hidden_size + (m.moe_shared_expert_hidden_size or 0)
     total = 10 * e * h + (3 if m.gated else 2) * e * f
     if m.position_embedding == "rope":
         total += 2 * e * (nd + m.query_groups * m.head_dim)
     if c.fp8:
         total += (e + 1) * (2 * h + nd + f)
-    return total
+    return total + moe_dispatch_bytes_per_token(c)
+
+
+def moe_dispatch_bytes_per_token(c: Candidate) -> float:
+    """MoE's memory-bound dispatch per token per layer, forward (Megatron-Core's all-to-all
+    dispatcher with fused permutation, moe_utils.permute / unpermute): the router's fp32
+    logits, softmax and top-k read and write 4 E bytes three times (12 E); permute gathers the
+    token's k copies (reads and writes k e h); unpermute reads them back and scatter-adds them
+    into one row (k e h read, e h written): 12 E + (3k + 1) e h. 0 for dense models."""
+    m = c.model
+    if not m.is_moe:
+        return 0.0
+    return 12 * m.num_experts + (3 * m.moe_router_topk + 1) * c.act_bytes * m.hidden_size
 
 
 def _time_per_token(c: Candidate, layers: float, last: bool, device: Device, opts: ThroughputOptions) -> float:
