@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a short run's directory (config.yaml + metrics.jsonl): fit this cluster's efficiencies "
                         "to its step time after warm-up, print them, and plan with them")
     p.add_argument("--overlap", action="append", default=[], metavar="KIND=FRACTION",
-                   help="fraction of a communication hidden by compute (tp, cp, ep, pp, dp, zero, offload or all)")
+                   help="fraction of a communication hidden by compute (tp, cp, ep, pp, dp, zero, offload or all); "
+                        "pp applies to interleaved layouts (VPP > 1) only: Megatron-Core overlaps PP send/recv "
+                        "only in that schedule")
     p.add_argument("--framework-gib", type=_nonnegative, default=MemoryOptions.framework_gib,
                    help="fixed per-GPU allowance for CUDA context, NCCL, workspaces")
     p.add_argument("--fragmentation", type=_nonnegative, default=MemoryOptions.fragmentation,

@@ -301,15 +301,20 @@ def mlp_activation_bytes(c: Candidate) -> float:
 
 def moe_activation_bytes(c: Candidate) -> float:
     """MoE MLP (dropless, balanced routing): router input e T h / z + fp32 router logits
-    4 T E / z; each rank then processes k T / z routed tokens on average, each storing
-    its permuted input e h, activation input e f_e (2 if gated else 1) / ETP, fc2 input
-    e f_e / ETP and expert output e h (kept for the probability-weighted combine);
-    + shared expert e T f_s (3 if gated else 2) / t + dropout mask T h / z."""
+    4 T E / z; each rank then processes k T / z routed tokens on average, each storing its
+    permuted fc1 input q h, activation input e f_e (2 if gated else 1) / ETP, fc2 input
+    q f_e / ETP and its fp32 routing probability (4 bytes); q = 1 under FP8 (TE's GroupedLinear
+    keeps the FP8 inputs it ran on, as Linear does: _linear_input_bytes) else e
+    + shared expert e T f_s (3 if gated else 2) / t + dropout mask T h / z.
+    No expert output is kept: Megatron-Core 0.19 multiplies the probabilities in inside the
+    experts' activation (experts.py, bias_act_func / weighted_bias_swiglu_impl with
+    permuted_probs) and the all-to-all dispatcher's unpermute gets no probs (token_dispatcher.py,
+    MoEAlltoAllTokenDispatcher.token_unpermutation), so the combine is a plain scatter-add."""
     m, e, T, z = c.model, c.act_bytes, _tokens(c), _sp(c)
-    h, fe = m.hidden_size, m.expert_ffn_hidden_size
+    h, fe, q = m.hidden_size, m.expert_ffn_hidden_size, _linear_input_bytes(c)
     routed = m.moe_router_topk * T / z
     count = e * T * h / z + 4 * T * m.num_experts / z
-    count += routed * (2 * e * h + e * fe * (3 if m.gated else 2) / c.etp)
+    count += routed * (q * h + (e * (2 if m.gated else 1) + q) * fe / c.etp + 4)
     if m.moe_shared_expert_hidden_size:
         count += _mlp_inputs_bytes(c, m.moe_shared_expert_hidden_size, c.tp)
     if c.dropout:

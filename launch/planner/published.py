@@ -5,6 +5,7 @@ are reported, not fitted: `calibration_rows`).
 
     python -m launch.planner.published            # the table (markdown), as in the README
     python -m launch.planner.published --fit      # refit the efficiencies and print them
+    python -m launch.planner.published --rank     # where the planner ranks each `fastest` layout
 
 Rows are built as `Candidate`s directly, not through the training's validation: the 405B
 layout needs Megatron-Core's embedding/loss pipeline split, which our training does not offer
@@ -64,8 +65,12 @@ def row_candidate(r: dict) -> Candidate:
 
 
 def row_options(r: dict, eff: Efficiencies) -> ThroughputOptions:
+    """The recipe's overlaps: TP (userbuffers) and DP (overlap_grad_reduce / param_gather), and
+    PP send/recv, which NeMo / Megatron-Bridge overlap whenever VPP > 1 (overlap_p2p_comm=True,
+    batch_p2p_comm=False: NeMo's MegatronCommOverlapCallback._get_model_comm_overlap_cfgs, ported
+    to Megatron-Bridge's CommOverlapConfig; the planner applies it to interleaved layouts only)."""
     overlap = OVERLAPPED if r["overlap"] else 0.0
-    return ThroughputOptions(efficiencies=eff, tp_overlap=overlap, dp_overlap=overlap)
+    return ThroughputOptions(efficiencies=eff, tp_overlap=overlap, dp_overlap=overlap, pp_overlap=overlap)
 
 
 def predict(r: dict, eff: Efficiencies = DEFAULT_EFFICIENCIES) -> tuple[float, float]:
@@ -88,6 +93,38 @@ def fit_efficiencies(rows: list[dict], start: Efficiencies = DEFAULT_EFFICIENCIE
     x0 = [getattr(start, k) for k in FITTED_KINDS]
     result = least_squares(residuals, x0, bounds=([0.05] * len(x0), [1.0] * len(x0)))
     return dataclasses.replace(start, **dict(zip(FITTED_KINDS, (round(v, 3) for v in result.x), strict=True)))
+
+
+def rank_of_published_layout(r: dict, eff: Efficiencies = DEFAULT_EFFICIENCIES, *, recipe_settings: bool = True
+                              ) -> tuple[int, int]:
+    """(rank, layouts that fit) of row `r`'s layout in the planner's search for its model, GPU
+    count, precision, sequence, global batch and micro batch; every layout estimated with the
+    recipe's settings (its overlaps, `row_options`, and its gradient-reduction precision), or
+    with `recipe_settings=False` with our training's (the planner's defaults: no TP, DP or PP
+    overlap, fp32 gradient reduction). Rank 0 when the layout is not among those that fit."""
+    from launch.planner.memory import MemoryOptions
+    from launch.planner.search import SearchSpace, _rank_key, enumerate_candidates, evaluate
+    from pretrain.config import apply_overrides
+    from pretrain.recipes import get_recipe
+
+    fp8 = ["runtime.fp8=hybrid", f"runtime.fp8_recipe={r['fp8']}"] if r["fp8"] else []
+    config = apply_overrides(get_recipe("llama3-8b"), overrides=[
+        f"model={r['model']}", f"runtime.dtype={r['dtype']}", f"schedule.seq_length={r['seq']}",
+        f"schedule.global_batch_size={r['gbs']}", *fp8])
+    device = get_device(r.get("device", "h100-80gb"))
+    candidates, _ = enumerate_candidates(config, r["gpus"], device, SearchSpace(micro_batch=(r["mbs"],)))
+    opts = row_options(r, eff) if recipe_settings else ThroughputOptions(efficiencies=eff)
+    grad_fp32 = r["grad_fp32"] if recipe_settings else True
+    evaluated = [evaluate(dataclasses.replace(c, grad_reduce_in_fp32=grad_fp32), device, MemoryOptions(), opts)
+                 for c in candidates]
+    ranked = sorted((e for e in evaluated if e.fits), key=_rank_key)
+    want = row_candidate(r)
+    for i, e in enumerate(ranked):
+        c = e.candidate
+        if (c.layout == want.layout and (c.zero, c.recompute, c.hsdp_replicas, c.offload)
+                == (want.zero, want.recompute, 1, False)):
+            return i + 1, len(ranked)
+    return 0, len(ranked)
 
 
 def table_rows(rows: list[dict], eff: Efficiencies = DEFAULT_EFFICIENCIES) -> list[dict]:
@@ -123,8 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.planner.published", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="refit the efficiencies to the rows and print them")
+    p.add_argument("--rank", action="store_true",
+                   help="print the planner's rank of each layout marked fastest (recipe's settings, then ours)")
     args = p.parse_args(argv)
     rows = load_rows()
+    if args.rank:
+        for r in (r for r in rows if r.get("fastest")):
+            recipe, ours = (rank_of_published_layout(r, recipe_settings=s) for s in (True, False))
+            print(f"{r['source']} {r['model']} {r['gpus']} GPUs gbs {r['gbs']}: recipe's settings {recipe[0]} of "
+                  f"{recipe[1]}, ours {ours[0] or 'not fitting'} of {ours[1]}")
+        return 0
     fitted = calibration_rows(rows)
     eff = fit_efficiencies(fitted) if args.fit else DEFAULT_EFFICIENCIES
     if args.fit:

@@ -133,15 +133,32 @@ def elementwise_bytes_per_token(c: Candidate) -> float:
     element): 2 norms read + write h (4 e h), 2 residual adds read 2 write 1 (6 e h), the
     activation function reads 2f writes f if gated (else reads and writes f), RoPE reads and
     writes Q and K (2 e (n + g) d); with FP8 each linear input is read in e and written in one
-    byte: (e + 1) (2h + n d + f). Launch overheads are not modelled."""
+    byte: (e + 1) (2h + n d + f). MoE (moe_dispatch_bytes_per_token): f is what a token's
+    experts run, k f_e (+ the shared expert's f_s), plus the dispatch's own passes. Launch
+    overheads are not modelled."""
     m, e = c.model, c.act_bytes
-    h, f, nd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.head_dim
+    h, nd = m.hidden_size, m.num_attention_heads * m.head_dim
+    f = m.ffn_hidden_size
+    if m.is_moe:
+        f = m.moe_router_topk * m.expert_ffn_hidden_size + (m.moe_shared_expert_hidden_size or 0)
     total = 10 * e * h + (3 if m.gated else 2) * e * f
     if m.position_embedding == "rope":
         total += 2 * e * (nd + m.query_groups * m.head_dim)
     if c.fp8:
         total += (e + 1) * (2 * h + nd + f)
-    return total
+    return total + moe_dispatch_bytes_per_token(c)
+
+
+def moe_dispatch_bytes_per_token(c: Candidate) -> float:
+    """MoE's memory-bound dispatch per token per layer, forward (Megatron-Core's all-to-all
+    dispatcher with fused permutation, moe_utils.permute / unpermute): the router's fp32
+    logits, softmax and top-k read and write 4 E bytes three times (12 E); permute gathers the
+    token's k copies (reads and writes k e h); unpermute reads them back and scatter-adds them
+    into one row (k e h read, e h written): 12 E + (3k + 1) e h. 0 for dense models."""
+    m = c.model
+    if not m.is_moe:
+        return 0.0
+    return 12 * m.num_experts + (3 * m.moe_router_topk + 1) * c.act_bytes * m.hidden_size
 
 
 def _time_per_token(c: Candidate, layers: float, last: bool, device: Device, opts: ThroughputOptions) -> float:
@@ -240,6 +257,14 @@ def pp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     z = c.tp if c.layout.sequence_parallel else 1
     size = c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * c.model.hidden_size / z
     return 2 * c.vpp * c.num_microbatches * size / _bandwidth(c.world_size, device, opts)
+
+
+def pp_overlap(c: Candidate, opts: ThroughputOptions) -> float:
+    """The share of PP send/recv hidden: only the interleaved schedule (VPP > 1) can overlap it
+    (Megatron-Core's overlap_p2p_comm; its non-interleaved 1F1B raises "Non-interleaved pipeline
+    parallelism does not support overlapping p2p communication", pipeline_parallel/schedules.py),
+    so without VPP every send/recv is exposed whatever --overlap pp says."""
+    return opts.pp_overlap if c.vpp > 1 else 0.0
 
 
 def _worst_params(c: Candidate):
@@ -354,7 +379,7 @@ def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = Throug
     m = c.num_microbatches
     bubble = t_mb * (c.pp - 1) / c.vpp
     comm = {k: v * m for k, v in exposed.items()}
-    comm["pp"] = pp_comm_s(c, device, opts) * (1 - opts.pp_overlap)
+    comm["pp"] = pp_comm_s(c, device, opts) * (1 - pp_overlap(c, opts))
     comm["dp"] = dp_comm_s(c, device, opts) * (1 - opts.dp_overlap)
     comm["offload"] = offload_s(c, device, opts) * (1 - opts.offload_overlap)
     if c.muon:  # AdamW plans keep their JSON keys

@@ -170,8 +170,12 @@ def test_activation_gqa_swiglu_flash_and_cp():
 def test_moe_activation_hand_computed():
     c = cand(MOE, mbs=1, seq=16, flash=True)
     T, e, h, k, fe = 16, 2, 8, 2, 8
-    expected = e * T * h + 4 * T * 4 + k * T * (2 * e * h + e * fe * 3)
+    # per routed token: fc1 input e h, SwiGLU input 2 e f_e, fc2 input e f_e, fp32 probability
+    expected = e * T * h + 4 * T * 4 + k * T * (e * h + e * fe * 3 + 4)
     assert moe_activation_bytes(c) == expected
+    # FP8: TE's GroupedLinear keeps the FP8 inputs of fc1 and fc2 (1 byte each)
+    fp8 = dataclasses.replace(c, fp8=True, fp8_recipe="tensorwise")
+    assert moe_activation_bytes(fp8) == e * T * h + 4 * T * 4 + k * T * (h + 2 * e * fe + fe + 4)
 
 
 def test_output_and_recompute_working_set():

@@ -44,14 +44,17 @@ def test_constants_are_the_fit():
 
 def test_moe_rows_are_reported_with_the_known_gap():
     """The published MoE rows (Qwen3-30B-A3B on 16 H100s, EP8) are estimated at their layout and
-    printed in the table, not fitted. The planner over-predicts them by far more than 15%: it has
-    no MoE dispatch/permutation or small-grouped-GEMM term. When a change brings them within
-    15%, move them into calibration (drop `fit: false`) rather than loosening this test."""
+    printed in the table, not fitted. Both fit an H100 with their published recompute setting
+    (none). The planner over-predicts their throughput by far more than 15% even with MoE's
+    dispatch passes and all-to-all: two thirds of the measured step is neither FLOPs nor bytes
+    in the model. When a change brings them within 15%, move them into calibration (drop
+    `fit: false`) rather than loosening this test."""
     rows = [r for r in published.load_rows() if not r.get("fit", True)]
     assert len(rows) == EXPECTED_MOE_ROWS
     table = published.table_rows(rows)
     assert all(published.row_candidate(r).ep == 8 and published.row_candidate(r).model.is_moe for r in rows)
     assert all(r["error"] > 0.15 for r in table), [(r["source"], r["error"]) for r in table]
+    assert all(r["fits"] for r in table), [(r["source"], r["memory_gib"]) for r in table]
     assert "[not fitted]" in published.markdown(table)
 
 
@@ -107,18 +110,36 @@ def test_fp8_recipes_the_device_lacks_are_refused(capsys):
     assert "MXFP8 (runtime.fp8_recipe=mxfp8) needs compute capability 10.0" in capsys.readouterr().err
 
 
-def test_the_published_8b_layout_ranks_in_the_top_5():
-    """Megatron-Bridge's llama3-8b DGX-H100 FP8 layout (Megatron-FSDP over 8, micro batch 1,
-    global batch 128) among the planner's 5 fastest for that model, GPU count and batch.
-    (The 70B layout does not: see README, "Checked against measured runs".)"""
-    from launch.planner.devices import get_device
-    from launch.planner.search import SearchSpace, plan
-    from pretrain.config import apply_overrides
-    from pretrain.recipes import get_recipe
+def _fastest(model: str) -> dict:
+    """The first row marked fastest for `model` (rows of one model share GPUs and layout)."""
+    return next(r for r in published.load_rows() if r.get("fastest") and r["model"] == model)
 
-    config = apply_overrides(get_recipe("llama3-8b"), overrides=[
-        "runtime.fp8=hybrid", "runtime.fp8_recipe=tensorwise", "schedule.global_batch_size=128"])
-    result = plan(config, world_size=8, device=get_device("h100-80gb"), space=SearchSpace(micro_batch=(1,)))
-    top = [(e.candidate.tp, e.candidate.pp, e.candidate.cp, e.candidate.zero, e.candidate.hsdp_replicas)
-           for e in result.ranked[:5]]
-    assert (1, 1, 1, 3, 1) in top, top
+
+def test_every_fastest_row_is_a_case_below():
+    """Each model with a row marked fastest has a ranking case here."""
+    assert {r["model"] for r in published.load_rows() if r.get("fastest")} == set(FASTEST_CASES)
+
+
+# Known gaps (README, "Checked against measured runs"): 70B's PP8 last stage carries the logits
+# and the loss (2.1 layers' time on top of its 10 layers in the model), which PP1/PP2 layouts
+# spread over 40-80 layers; 405B ties the best to 3 significant digits and the tie-break (more
+# headroom first) puts it 6th. Strict: when a change fixes them these xfails fail, drop them.
+_GAP_70B = "70B TP4xPP8xVPP5 ranks 246th of 993 (recipe's settings), 37th of 744 (ours)"
+_GAP_405B = "405B TP8xPP8xVPP8xCP2 ranks 6th of 431 (recipe's settings); with ours it needs full recompute"
+FASTEST_CASES = {
+    "llama3-8b": (),
+    "llama3-70b": (pytest.mark.xfail(strict=True, reason=_GAP_70B),),
+    "llama3.1-405b": (pytest.mark.xfail(strict=True, reason=_GAP_405B),),
+}
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=marks) for m, marks in FASTEST_CASES.items()])
+def test_published_fastest_layout_ranks_in_the_top_5(model):
+    """A layout its source presents as the fastest (published.yaml `fastest: true`) is among the
+    planner's 5 fastest for that model, GPU count, precision, batch and micro batch, under the
+    settings it ran with (its TP/DP/PP overlaps and bf16 gradient reduction) or under ours (no
+    overlap, fp32 gradient reduction: our training's). The 8B passes with ours (2nd of 589;
+    13th of 632 with the recipe's, 3.6% behind the best)."""
+    r = _fastest(model)
+    ranks = [published.rank_of_published_layout(r, recipe_settings=s) for s in (True, False)]
+    assert any(0 < rank <= 5 for rank, _ in ranks), ranks

@@ -181,3 +181,27 @@ def test_document_masking_shortens_only_the_attention_work_the_kernel_skips():
     assert fast.compute_s == pytest.approx(slow.compute_s * (3 * (2 * (1408 - 256 * (1 - 80 / 272))) + 3 * 2048)
                                            / (3 * (2 * 1408) + 3 * 2048))
     assert fast.tflops_per_gpu * fast.step_s == pytest.approx(slow.tflops_per_gpu * slow.step_s)  # same FLOPs
+
+
+def test_pp_overlap_hides_send_recv_only_in_the_interleaved_schedule():
+    """Megatron-Core's non-interleaved 1F1B refuses overlap_p2p_comm (pipeline_parallel/
+    schedules.py): --overlap pp=1 hides every PP send/recv of a VPP layout and none without VPP."""
+    deep = M.model_copy(update=dict(num_layers=8))
+    opts = ThroughputOptions(pp_overlap=1.0)
+    plain = cand(deep, world=2, gbs=8, pipeline_parallel=2)
+    interleaved = cand(deep, world=2, gbs=8, pipeline_parallel=2, virtual_pipeline=2)
+    assert pp_comm_s(plain, DEV, opts) > 0
+    assert estimate_step(plain, DEV, opts).comm_s["pp"] == pytest.approx(pp_comm_s(plain, DEV, opts))
+    assert estimate_step(interleaved, DEV, opts).comm_s["pp"] == 0
+
+
+def test_moe_element_wise_work_counts_the_dispatch():
+    """An MoE layer whose k experts run as many FFN elements as the dense layer (k f_e = f =
+    16) moves the same element-wise bytes plus the dispatch's: router 12 E + permute/unpermute
+    (3k + 1) e h = 12 x 4 + 7 x 2 x 8 bytes per token."""
+    from launch.planner.throughput import elementwise_bytes_per_token, moe_dispatch_bytes_per_token
+
+    moe = M.model_copy(update=dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8))
+    assert moe_dispatch_bytes_per_token(cand(moe)) == 12 * 4 + 7 * 2 * 8
+    assert moe_dispatch_bytes_per_token(cand()) == 0
+    assert elementwise_bytes_per_token(cand(moe)) - elementwise_bytes_per_token(cand()) == 12 * 4 + 7 * 2 * 8
