@@ -7,7 +7,8 @@
     python -m pretrain --recipe llama3-70b --dry-run --world-size 64
 
 Config layering: recipe, then --config FILE.yaml, then key=value overrides
-(e.g. schedule.train_steps=50 optimizer.lr=1e-3 data.blend='[[1.0, data/web]]').
+(e.g. schedule.train_steps=50 optimizer.lr=1e-3 data.blend='[[1.0, data/web]]'), before, between
+or after the options (parse_intermixed_args, as in every CLI that takes overrides).
 Ranks come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/...).
 """
 
@@ -46,7 +47,7 @@ def resolve_config(recipe: str, config_file: str | None, overrides: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
 
     def check() -> ExperimentConfig | int:
         config = resolve_config(args.recipe, args.config, args.overrides)
