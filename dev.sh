@@ -90,8 +90,12 @@ case "${1:-}" in
     demo)
         setup
         shift
+        # One checkpoint at the end (save_interval 0) for the README's serving path (reshard,
+        # export, verify, vLLM); 4 heads: head_dim 32, which vLLM's CPU backend serves (16 it
+        # refuses). Each demo starts fresh; an earlier demo's checkpoints move to superseded-*/.
         exec "$VENV/bin/python" -m launch.local --recipe tiny-llama --nproc 4 \
-            parallel.tensor_parallel=2 parallel.pipeline_parallel=2 "$@"
+            parallel.tensor_parallel=2 parallel.pipeline_parallel=2 model.num_attention_heads=4 \
+            checkpoint.dir=runs/tiny-llama/checkpoints checkpoint.resume=none checkpoint.on_newer=move_aside "$@"
         ;;
     test)
         setup

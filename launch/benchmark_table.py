@@ -171,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.render:
         if not args.render.is_file():
             parser.error(f"--render: {args.render} does not exist")

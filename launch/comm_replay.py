@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=positive_int, default=20, help="replayed steps per repeat")
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def check() -> int:
         config = resolve_config(args.recipe, None, list(args.overrides) + ["checkpoint.dir=null"])

@@ -253,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print the rows as one JSON document")
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)  # inside torchrun: measure, write DIR/rank<r>.json
     p.add_argument("overrides", nargs="*", metavar="key=value")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.worker:
         results = measure_rank(args.recipe, overrides, args.zero)

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
 
     def check() -> int:  # every run's config, before the first starts
         if args.mode == "step-time" and args.steps <= args.warmup:

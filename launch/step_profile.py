@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="profiled steps")
     parser.add_argument("--trace", help="write the Chrome/Perfetto trace here (.json or .json.gz)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be positive and --warmup non-negative")
     from pretrain.cli import resolve_config

@@ -5,9 +5,11 @@
         parallel.tensor_parallel=2 parallel.pipeline_parallel=2
     # show the resolved config and check it against a world size, without training:
     python -m pretrain --recipe llama3-70b --dry-run --world-size 64
+    python -m pretrain --version
 
 Config layering: recipe, then --config FILE.yaml, then key=value overrides
-(e.g. schedule.train_steps=50 optimizer.lr=1e-3 data.blend='[[1.0, data/web]]').
+(e.g. schedule.train_steps=50 optimizer.lr=1e-3 data.blend='[[1.0, data/web]]'), before, between
+or after the options (parse_intermixed_args, as in every CLI that takes overrides).
 Ranks come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/...).
 """
 
@@ -26,6 +28,7 @@ from pretrain.config import (
     validate_inputs,
 )
 from pretrain.recipes import RECIPES, get_recipe
+from pretrain.version import describe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config, validate it (layout, paths, data), exit")
     parser.add_argument("--world-size", type=positive_int, help="world size to validate against in --dry-run")
+    parser.add_argument("--version", action="version", version=describe(),
+                        help="print this stack's version (and Megatron-Core's, torch's, Python's) and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
 
@@ -46,7 +51,7 @@ def resolve_config(recipe: str, config_file: str | None, overrides: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
 
     def check() -> ExperimentConfig | int:
         config = resolve_config(args.recipe, args.config, args.overrides)

@@ -322,12 +322,44 @@ def main_train(config: ExperimentConfig) -> int:
         shutdown()
         return 0
     failed = True
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     try:
         history = train(run, run.start_step)
         failed = False
-        if run.log_rank and history:
-            info(f"[{config.name}] done: {len(history)} steps, final loss {history[-1].loss:.4f}")
     finally:
         run.writer.close(failed)  # marks the tracker runs finished (or failed)
         shutdown(barrier=not failed)  # after an error: no barrier the peers never reach
+    # After shutdown's barrier every rank has saved and logged: this is the run's last line. Rank
+    # 0 prints it (every rank knows the loss: train_step agrees on it across ranks).
+    info(closing_line(config, run.start_step, history), rank0)
     return 0
+
+
+def closing_line(config: ExperimentConfig, start_step: int, history: list[StepMetrics]) -> str:
+    """Where the run, its metrics and its checkpoint are, and what to run next, in one line:
+    `[NAME] done: 300 steps, final loss 4.1; run RUN_DIR (metrics.jsonl), checkpoint DIR/step_...;
+    next: python -m checkpoints_tools.export_hf ...`."""
+    import shlex
+
+    from pretrain.checkpointing.format import read_latest
+
+    sched, run_dir = config.schedule, config.logging.run_dir
+    last = history[-1].step if history else start_step
+    if not history:
+        what = f"nothing to train (resumed at step {start_step} of {sched.train_steps})"
+    elif last == sched.train_steps:
+        what = f"done: {len(history)} steps, final loss {history[-1].loss:.4f}"
+    else:
+        what = f"stopped after step {last} of {sched.train_steps}, loss {history[-1].loss:.4f}"
+    root = Path(config.checkpoint.dir) if config.checkpoint.dir else None
+    latest = read_latest(root) if root is not None and root.is_dir() else None
+    if latest is None:
+        saved = "no checkpoint (checkpoint.dir unset)" if root is None else f"no checkpoint in {root}"
+        then = "add checkpoint.dir=DIR to keep the weights"
+    elif last < sched.train_steps:
+        saved = f"checkpoint {root / latest}"
+        then = "resume: the same command with checkpoint.resume=auto"
+    else:
+        saved = f"checkpoint {root / latest}"
+        then = f"python -m checkpoints_tools.export_hf {shlex.quote(str(root))} {shlex.quote(str(Path(run_dir) / 'hf'))}"
+    return f"[{config.name}] {what}; run {run_dir} (metrics.jsonl), {saved}; next: {then}"

@@ -17,9 +17,6 @@ systemd here: the daemons are started in the background and stopped by their rec
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import fcntl
 import os
 import shutil
 import signal
@@ -29,51 +26,31 @@ import sys
 import time
 from pathlib import Path
 
+from launch.launchers import ci_multinode
+from launch.launchers.ci_daemons import (
+    DAEMONS,
+    NETWORK_PACKAGES,
+    PACKAGES,
+    SCHEDULING,
+    ClusterPaths,
+    SlurmUnavailable,
+    alive,
+    binary,
+    cluster_env,
+    locked,
+    missing_binaries,
+    munge_setup,
+    probe_node,
+    read_pid,
+    start_daemon,
+    start_munged,
+    wait_for,
+)
+
 DEFAULT_DIR = os.environ.get("PRETRAIN_SLURM_DIR", "/tmp/pretrain-slurm")
-PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
-# The multi-node cluster's network namespaces and veths (`ip`); nsenter/unshare are in util-linux.
-NETWORK_PACKAGES = ["iproute2"]
-DAEMONS = ["munged", "slurmctld", "slurmd"]
-CLIENTS = ["sbatch", "srun", "scontrol", "sinfo", "scancel"]
 # Task slots on the node. CPU-mode test jobs run more ranks than this machine has cores
 # (4 gloo ranks on 2 cores); slots are what Slurm counts, the ranks still share the cores.
 MIN_SLOTS = 8
-
-
-class SlurmUnavailable(RuntimeError):
-    """Slurm cannot be used here; the message says why and how to install it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterPaths:
-    root: Path
-
-    @property
-    def conf(self) -> Path:
-        return self.root / "slurm.conf"
-
-    @property
-    def munge_dir(self) -> Path:
-        return self.root / "munge"
-
-    @property
-    def munge_socket(self) -> Path:
-        return self.munge_dir / "munge.socket.2"
-
-    def pid_file(self, daemon: str) -> Path:
-        return self.root / f"{daemon}.pid"
-
-    def log_file(self, daemon: str) -> Path:
-        return self.root / "log" / f"{daemon}.log"
-
-
-def missing_binaries() -> list[str]:
-    return [name for name in DAEMONS + CLIENTS + ["mungekey"] if shutil.which(name) is None
-            and not Path("/usr/sbin", name).exists()]
-
-
-def _binary(name: str) -> str:
-    return shutil.which(name) or str(Path("/usr/sbin", name))
 
 
 def install_packages() -> None:
@@ -84,11 +61,6 @@ def install_packages() -> None:
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
     subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES, *NETWORK_PACKAGES],
                    check=True, env=env)
-
-
-def cluster_env(paths: ClusterPaths) -> dict[str, str]:
-    """The environment client commands (sbatch, scontrol, ...) need to find this cluster."""
-    return dict(os.environ, SLURM_CONF=str(paths.conf))
 
 
 def ping(paths: ClusterPaths) -> bool:
@@ -104,60 +76,10 @@ def ping(paths: ClusterPaths) -> bool:
     return out.returncode == 0 and any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states)
 
 
-def probe_node(slots: int) -> tuple[int, str]:
-    """(CPUs, RealMemory) for slurm.conf: what `slurmd -C` finds, at least `slots` CPUs."""
-    probe = subprocess.run([_binary("slurmd"), "-C"], capture_output=True, text=True, check=True)
-    fields = dict(item.split("=", 1) for item in probe.stdout.split() if "=" in item)
-    return max(int(fields.get("CPUs", 1)), slots), fields.get("RealMemory", "1")
-
-
 def _node_line(slots: int) -> str:
     """slurm.conf's node line: NodeName must be this host's short name (what slurmd checks)."""
     cpus, memory = probe_node(slots)
     return f"NodeName={socket.gethostname().split('.')[0]} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN"
-
-
-def munge_setup(paths: ClusterPaths) -> None:
-    """The munge directory and key (created once)."""
-    paths.munge_dir.mkdir(parents=True, exist_ok=True)
-    # munged refuses a socket directory others cannot enter and a key others can read.
-    os.chmod(paths.munge_dir, 0o755)
-    key = paths.munge_dir / "munge.key"
-    if not key.exists():
-        subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}"], check=True)
-    os.chmod(key, 0o600)
-
-
-def start_munged(paths: ClusterPaths) -> None:
-    munge = paths.munge_dir
-    _start_daemon(paths, "munged", [
-        _binary("munged"), "--force", f"--socket={paths.munge_socket}",
-        f"--key-file={munge / 'munge.key'}", f"--pid-file={paths.pid_file('munged')}",
-        f"--log-file={paths.log_file('munged')}", f"--seed-file={munge / 'munge.seed'}"])
-    _wait_for(paths.munge_socket.exists, "munged", paths)
-
-
-# slurm.conf lines both test clusters (one node, or N: ci_multinode) share.
-SCHEDULING = (
-    # pgid: a job's background children die with it (linuxproc would let them outlive it);
-    # no cgroup plugins: the multi-node cluster's nodes share one cgroup tree.
-    "ProctrackType=proctrack/pgid",
-    "TaskPlugin=task/none",
-    "SelectType=select/cons_tres",
-    "SelectTypeParameters=CR_CPU",
-    "SchedulerType=sched/builtin",
-    # Look for runnable jobs every 2 s (default 60): a requeued job starts when eligible.
-    "SchedulerParameters=sched_interval=2",
-    "MpiDefault=none",
-    "ReturnToService=2",
-    # No accounting daemon: `scontrol show job` is the record; keep finished jobs an hour.
-    "MinJobAge=3600",
-    "JobAcctGatherType=jobacct_gather/none",
-    "AccountingStorageType=accounting_storage/none",
-    # The node line declares more CPUs (task slots) than the machine has; accept it.
-    "SlurmdParameters=config_overrides",
-    "KillWait=30",
-)
 
 
 def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
@@ -187,24 +109,6 @@ def write_config(paths: ClusterPaths, slots: int = MIN_SLOTS) -> None:
     ]))
 
 
-def _start_daemon(paths: ClusterPaths, name: str, argv: list[str]) -> None:
-    log = paths.log_file(name)
-    with open(log, "a") as out:
-        # New session: the daemons must not die with the shell or pytest that started them.
-        subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=cluster_env(paths),
-                       check=True, start_new_session=True, timeout=30)
-
-
-def _wait_for(predicate, what: str, paths: ClusterPaths, timeout: float = 40.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in (paths.root / "log").glob("*.log"))
-    raise SlurmUnavailable(f"{what} did not come up within {timeout:.0f} s; daemon logs:\n{logs}")
-
-
 def start(paths: ClusterPaths, slots: int = MIN_SLOTS) -> bool:
     """Start the cluster unless it already runs; returns True when this call started it."""
     missing = missing_binaries()
@@ -214,61 +118,35 @@ def start(paths: ClusterPaths, slots: int = MIN_SLOTS) -> bool:
             "`python -m launch.launchers.ci_cluster install` (Debian: apt-get install "
             f"{' '.join(PACKAGES)})")
     paths.root.mkdir(parents=True, exist_ok=True)
-    with _locked(paths):
+    with locked(paths):
         if ping(paths):
             return False
         stop(paths)  # leftovers of a half-started cluster hold the ports
         write_config(paths, slots)
         start_munged(paths)
         # -c: start from a clean state (no jobs of an earlier test cluster are resurrected).
-        _start_daemon(paths, "slurmctld", [_binary("slurmctld"), "-c", "-f", str(paths.conf)])
-        _start_daemon(paths, "slurmd", [_binary("slurmd"), "-f", str(paths.conf)])
-        _wait_for(lambda: ping(paths), "the Slurm node", paths)
+        start_daemon(paths, "slurmctld", [binary("slurmctld"), "-c", "-f", str(paths.conf)])
+        start_daemon(paths, "slurmd", [binary("slurmd"), "-f", str(paths.conf)])
+        wait_for(lambda: ping(paths), "the Slurm node", paths)
         return True
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def stop(paths: ClusterPaths) -> list[str]:
     """Stop this directory's daemons by their recorded PIDs; returns the ones stopped."""
     stopped = []
     for name in reversed(DAEMONS):  # slurmd, slurmctld, then munged (which they need)
-        pid = _read_pid(paths.pid_file(name))
-        if pid is None or not _alive(pid):
+        pid = read_pid(paths.pid_file(name))
+        if pid is None or not alive(pid):
             continue
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
         stopped.append(f"{name} ({pid})")
         paths.pid_file(name).unlink(missing_ok=True)
     return stopped
-
-
-@contextlib.contextmanager
-def _locked(paths: ClusterPaths):
-    """Two test sessions starting the cluster at once would fight over the ports."""
-    with open(paths.root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "install":
             if missing_binaries() or shutil.which("ip") is None:
                 install_packages()
-            print("slurm installed:", ", ".join(_binary(n) for n in DAEMONS))
+            print("slurm installed:", ", ".join(binary(n) for n in DAEMONS))
             return 0
         multi = _multinode_dir(args)
         if multi is not None:
@@ -318,8 +196,6 @@ MULTINODE_FAULTS = ("crash", "cut", "heal", "restart-slurmd")
 
 def _multinode_dir(args: argparse.Namespace) -> Path | None:
     """The multi-node cluster's directory when this command is about one, else None."""
-    from launch.launchers import ci_multinode
-
     if args.dir is not None:
         root = Path(args.dir).resolve()
         if args.nodes > 1 or args.action in MULTINODE_FAULTS or (root / ci_multinode.STATE_NAME).exists():
@@ -331,8 +207,6 @@ def _multinode_dir(args: argparse.Namespace) -> Path | None:
 
 
 def _main_multinode(args: argparse.Namespace, root: Path) -> int:
-    from launch.launchers import ci_multinode
-
     if args.action == "start":
         layout = ci_multinode.derive_layout(root, args.nodes, args.prefix, args.subnet)
         started = ci_multinode.start(layout)

@@ -31,21 +31,21 @@ import subprocess
 import time
 from pathlib import Path
 
-from launch.launchers.ci_cluster import (
+from launch.launchers.ci_daemons import (
     SCHEDULING,
     ClusterPaths,
     SlurmUnavailable,
-    _alive,
-    _binary,
-    _locked,
-    _read_pid,
-    _start_daemon,
-    _wait_for,
+    alive,
+    binary,
     cluster_env,
+    locked,
     missing_binaries,
     munge_setup,
     probe_node,
+    read_pid,
+    start_daemon,
     start_munged,
+    wait_for,
 )
 
 DEFAULT_DIR = os.environ.get("PRETRAIN_MULTINODE_DIR", "/tmp/pretrain-multinode")
@@ -210,8 +210,8 @@ def _slurmd_pid_file(layout: Layout, index: int) -> Path:
 
 def start_slurmd(layout: Layout, index: int) -> None:
     paths = layout.paths
-    _start_daemon(paths, f"slurmd-{node_name(index)}", _in_namespace(
-        layout, index, [_binary("slurmd"), "-f", str(paths.conf), "-N", node_name(index)]))
+    start_daemon(paths, f"slurmd-{node_name(index)}", _in_namespace(
+        layout, index, [binary("slurmd"), "-f", str(paths.conf), "-N", node_name(index)]))
 
 
 def write_config(layout: Layout) -> None:
@@ -281,7 +281,7 @@ def start(layout: Layout) -> bool:
         raise SlurmUnavailable("a multi-node cluster needs root (network namespaces, bind mounts)")
     root = Path(layout.root)
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(layout.paths):
+    with locked(layout.paths):
         running = load_layout(root)
         if running is not None:
             if running.nodes == layout.nodes and ping(running):
@@ -293,11 +293,11 @@ def start(layout: Layout) -> bool:
         _build_network(layout)
         start_munged(layout.paths)
         # -c: a clean state, no jobs of an earlier cluster in this directory come back.
-        _start_daemon(layout.paths, "slurmctld",
-                      _in_namespace(layout, 0, [_binary("slurmctld"), "-c", "-f", str(layout.paths.conf)]))
+        start_daemon(layout.paths, "slurmctld",
+                      _in_namespace(layout, 0, [binary("slurmctld"), "-c", "-f", str(layout.paths.conf)]))
         for index in layout.node_indices():
             start_slurmd(layout, index)
-        _wait_for(lambda: ping(layout), f"the {layout.nodes} Slurm nodes", layout.paths, timeout=60)
+        wait_for(lambda: ping(layout), f"the {layout.nodes} Slurm nodes", layout.paths, timeout=60)
         return True
 
 
@@ -328,8 +328,8 @@ def _stop(layout: Layout) -> list[str]:
     daemons += [("slurmctld", paths.pid_file("slurmctld"))]
     alive = []
     for name, pid_file in daemons:
-        pid = _read_pid(pid_file)
-        if pid is not None and _alive(pid):
+        pid = read_pid(pid_file)
+        if pid is not None and alive(pid):
             alive.append(pid)
             stopped.append(f"{name} ({pid})")
         pid_file.unlink(missing_ok=True)
@@ -340,8 +340,8 @@ def _stop(layout: Layout) -> list[str]:
             _kill_all(left, signal.SIGKILL)
             stopped.append(f"{len(left)} process(es) in {layout.namespace(index)}")
     stopped += _remove_network(layout)
-    pid = _read_pid(paths.pid_file("munged"))
-    if pid is not None and _alive(pid):
+    pid = read_pid(paths.pid_file("munged"))
+    if pid is not None and alive(pid):
         _terminate(pid)
         stopped.append(f"munged ({pid})")
     paths.pid_file("munged").unlink(missing_ok=True)
@@ -353,16 +353,16 @@ def _terminate(*pids: int, grace: float = 15.0) -> None:
     """SIGTERM every pid, wait up to `grace` seconds for them all, SIGKILL those left."""
     _kill_all(list(pids), signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    _kill_all([pid for pid in pids if _alive(pid)], signal.SIGKILL)
+    _kill_all([pid for pid in pids if alive(pid)], signal.SIGKILL)
 
 
 def stop(root: Path) -> list[str]:
     layout = load_layout(root)
     if layout is None:
         return []
-    with _locked(layout.paths):
+    with locked(layout.paths):
         return _stop(layout)
 
 
@@ -396,8 +396,8 @@ def heal_network(layout: Layout, index: int) -> None:
 def restart_slurmd(layout: Layout, index: int) -> None:
     """Start the node's slurmd again (after a crash); Slurm returns the node to service."""
     _check_node(layout, index)
-    pid = _read_pid(_slurmd_pid_file(layout, index))
-    if pid is not None and _alive(pid):
+    pid = read_pid(_slurmd_pid_file(layout, index))
+    if pid is not None and alive(pid):
         _terminate(pid)
     start_slurmd(layout, index)
 

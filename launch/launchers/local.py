@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML overrides file")
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     resolved = []
 

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from launch.planner.report import plan_json, print_plan, write_override
     from pretrain.cli import resolve_config
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.seq is not None:
         overrides.append(f"schedule.seq_length={args.seq}")

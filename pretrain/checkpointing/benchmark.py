@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="saves only (Megatron's fully_reshardable load allocates the whole "
                              "optimizer state once more: a ~1B model needs ~30 GB to load)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
 

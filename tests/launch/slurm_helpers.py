@@ -20,15 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.launchers.ci_cluster import (
-    DEFAULT_DIR,
-    ClusterPaths,
-    SlurmUnavailable,
-    cluster_env,
-    missing_binaries,
-    start,
-    stop,
-)
+from launch.launchers.ci_cluster import DEFAULT_DIR, start, stop
+from launch.launchers.ci_daemons import ClusterPaths, SlurmUnavailable, cluster_env, missing_binaries
 from tests.distributed import run_module
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from launch.launchers.local import main
-from tests.distributed import REPO
+from tests.distributed import REPO, run_module
 
 BASE = ["data.demo=false", "data.mock=true", "runtime.spec=portable", "logging.tensorboard=false",
         "checkpoint.resume=none", "schedule.micro_batch_size=2", "schedule.global_batch_size=4",
@@ -36,6 +36,30 @@ def _metrics(run_dir) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [json.loads(line) for line in lines if '"loss"' in line]
+
+
+@pytest.mark.distributed
+def test_last_line_names_the_run_and_checkpoint_and_its_next_command_works(tmp_path):
+    """The closing line (what `bash dev.sh demo` ends with): printed by rank 0, which at PP2 is
+    not the rank that logs the loss, after every rank is done; the command it suggests runs."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    result = run_module("launch.local", [
+        "--recipe", "tiny-llama", "--nproc", "2", "parallel.pipeline_parallel=2", "model.num_attention_heads=4",
+        "schedule.train_steps=2", "schedule.eval_interval=0", "logging.tensorboard=false",
+        f"logging.run_dir={run_dir}", f"checkpoint.dir={ckpt}", "checkpoint.resume=none"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    loss = _metrics(run_dir)[-1]["loss"]
+    assert last == (f"[tiny-llama] done: 2 steps, final loss {loss:.4f}; run {run_dir} (metrics.jsonl), "
+                    f"checkpoint {ckpt / 'step_00000002'}; next: python -m checkpoints_tools.export_hf "
+                    f"{ckpt} {run_dir / 'hf'}"), result.stdout
+    assert (ckpt / "step_00000002" / "COMPLETE").is_file()
+    suggested = shlex.split(last.split("; next: ", 1)[1])
+    assert suggested[:3] == ["python", "-m", "checkpoints_tools.export_hf"]
+    from checkpoints_tools.export_hf import main as export_hf
+
+    assert export_hf(suggested[3:]) == 0
+    assert json.loads((run_dir / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def _launch(run_dir, ckpt, layout: list[str], steps: int, resume: str = "none") -> subprocess.Popen:
