@@ -1,0 +1,126 @@
+"""Muon state resharded on load (issue 46): stop a Muon run at step 3 at one layout and resume it
+at another; steps 4-6 (loss and grad norm) and the final weights within 1e-5 relative of the
+uninterrupted run. Muon's momentum buffers are saved sharded like their parameters (Megatron-Core's
+`optim_state_to_sharding_state`: the same ShardedTensor as the weight, under `optimizer.state.
+momentum_buffer.`), so dist_checkpointing reshards them as it reshards the weights; the fused QKV
+matrix is split along its rows by whole query groups at any TP, its global tensor the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints_tools.dcp_io import CheckpointReader
+from tests.compare import assert_steps_close, relative_differences
+from tests.distributed import run_ranks
+from tests.pretrain.test_muon import needs_emerging_optimizers
+from tests.pretrain.workers import logged_grad_norms, logged_losses
+
+pytestmark = [pytest.mark.distributed, needs_emerging_optimizers]
+
+STEPS, STOP = 6, 3
+BASE = [
+    f"schedule.train_steps={STEPS}", "schedule.micro_batch_size=2", "schedule.global_batch_size=4",
+    "schedule.seq_length=64", "schedule.eval_interval=0", "data.demo=false", "data.mock=true",
+    "runtime.spec=portable", "logging.tensorboard=false", f"checkpoint.save_interval={STOP}",
+    "model.num_layers=2", "optimizer.lr=1e-2", "optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest",
+]
+FP32_UNSHARDED = ["optimizer.distributed=false"]
+BF16 = ["runtime.dtype=bf16", "optimizer.clip_grad=0"]
+# name: (ranks and layout of the uninterrupted run, ranks and layout of the resume)
+CASES = {
+    "TP2-to-TP1": ((2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"] + FP32_UNSHARDED),
+                   (1, FP32_UNSHARDED)),
+    "PP2-to-PP1": ((2, ["parallel.pipeline_parallel=2"] + FP32_UNSHARDED), (1, FP32_UNSHARDED)),
+    "DP2-layer-wise-to-DP1": ((2, BF16), (1, BF16)),
+    "DP2-layer-wise-to-DP2-unsharded": ((2, BF16), (2, BF16 + FP32_UNSHARDED)),
+    "DP2-unsharded-to-DP2-layer-wise": ((2, BF16 + FP32_UNSHARDED), (2, BF16)),
+}
+
+
+def _run(nproc: int, extra: list[str], run_dir) -> dict:
+    results = run_ranks(nproc, "tests.pretrain.workers:train", recipe="tiny-llama",
+                        overrides=BASE + extra + [f"logging.run_dir={run_dir}"])
+    return {"losses": logged_losses(results), "grad_norms": logged_grad_norms(results)}
+
+
+def _tensors(checkpoint) -> dict[str, torch.Tensor]:
+    """Every global tensor of a checkpoint (dist_checkpointing's layout-free keys): the weights
+    and the optimizer state (`chained_<i>.optimizer.state.<momentum_buffer|exp_avg|...>.<weight>`)."""
+    reader = CheckpointReader(checkpoint)
+    return {key: reader.read(key) for key in reader.tensor_keys()}
+
+
+def _worst_tensor_difference(got: dict, want: dict, rtol: float, what: str) -> float:
+    """Largest |got - want| of each tensor relative to the largest |want| of that tensor."""
+    assert sorted(got) == sorted(want), f"{what}: the checkpoints hold different tensors"
+    assert want, f"{what}: no tensors"
+    worst = 0.0
+    for key in want:
+        scale = want[key].float().abs().max().item()
+        diff = (got[key].float() - want[key].float()).abs().max().item() / max(scale, 1e-30)
+        assert diff <= rtol, f"{what}: {key} differs by {diff:.2e} of its largest value (tolerance {rtol})"
+        worst = max(worst, diff)
+    return worst
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_muon_resume_across_layouts(name, tmp_path):
+    (src_n, src), (dst_n, dst) = CASES[name]
+    full = _run(src_n, src + [f"checkpoint.dir={tmp_path / 'full'}", "checkpoint.resume=none"], tmp_path / "a")
+    stopped = tmp_path / "full" / f"step_{STOP:08d}"
+    resumed = _run(dst_n, dst + [f"checkpoint.dir={tmp_path / 'resumed'}", f"checkpoint.resume={stopped}"],
+                   tmp_path / "b")
+    assert len(resumed["losses"]) == STEPS - STOP
+    worst = {kind: assert_steps_close(resumed[kind], full[kind][STOP:], rtol=1e-5, start=STOP + 1,
+                                      what=f"Muon {name} resumed {kind}") for kind in ("losses", "grad_norms")}
+    final = f"step_{STEPS:08d}"
+    got, want = _tensors(tmp_path / "resumed" / final), _tensors(tmp_path / "full" / final)
+    assert any("momentum_buffer" in key for key in want), "no Muon momentum in the checkpoint"
+    for kind, is_state in (("weights", False), ("optimizer state", True)):
+        def part(tensors):
+            return {k: v for k, v in tensors.items() if (".optimizer.state." in k) == is_state}
+        worst[kind] = _worst_tensor_difference(part(got), part(want), 1e-5, f"Muon {name} final {kind}")
+    print(f"{name}: worst rel diff " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+def train_with_momentum_zeroed(recipe: str, overrides: list[str]) -> dict:
+    """Rank function: workers.train, with every Muon momentum buffer zeroed right after the
+    checkpoint is loaded (what a load that silently dropped Muon's state would leave)."""
+    import pretrain.loop
+
+    from tests.pretrain import workers
+
+    setup = pretrain.loop.setup
+
+    def setup_then_zero(config):
+        run = setup(config)
+        zeroed = 0
+        for wrapper in run.state.optimizer.chained_optimizers:
+            for state in wrapper.optimizer.state.values():
+                if "momentum_buffer" in state:
+                    state["momentum_buffer"].zero_()
+                    zeroed += 1
+        assert zeroed, "no Muon momentum buffer found after the load"
+        return run
+
+    pretrain.loop.setup = setup_then_zero
+    try:
+        return workers.train(recipe, overrides)
+    finally:
+        pretrain.loop.setup = setup
+
+
+def test_the_check_fails_when_the_momentum_is_not_loaded(tmp_path):
+    # The control: the TP2 -> TP1 resume above with Muon's loaded momentum zeroed must fail the
+    # same 1e-5 check (the AdamW moments and the weights still loaded).
+    (src_n, src), (dst_n, dst) = CASES["TP2-to-TP1"]
+    full = _run(src_n, src + [f"checkpoint.dir={tmp_path / 'full'}", "checkpoint.resume=none"], tmp_path / "a")
+    stopped = tmp_path / "full" / f"step_{STOP:08d}"
+    results = run_ranks(dst_n, "tests.pretrain.test_muon_reshard:train_with_momentum_zeroed", recipe="tiny-llama",
+                        overrides=BASE + dst + [f"checkpoint.dir={tmp_path / 'resumed'}",
+                                                f"checkpoint.resume={stopped}", f"logging.run_dir={tmp_path / 'b'}"])
+    losses = logged_losses(results)
+    with pytest.raises(AssertionError):
+        assert_steps_close(losses, full["losses"][STOP:], rtol=1e-5, start=STOP + 1, what="momentum zeroed")
+    print(f"momentum zeroed: worst rel diff {max(relative_differences(losses, full['losses'][STOP:])):.2e}")
