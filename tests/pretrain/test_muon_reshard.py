@@ -1,9 +1,15 @@
 """Muon state resharded on load (issue 46): stop a Muon run at step 3 at one layout and resume it
-at another; steps 4-6 (loss and grad norm) and the final weights within 1e-5 relative of the
-uninterrupted run. Muon's momentum buffers are saved sharded like their parameters (Megatron-Core's
-`optim_state_to_sharding_state`: the same ShardedTensor as the weight, under `optimizer.state.
-momentum_buffer.`), so dist_checkpointing reshards them as it reshards the weights; the fused QKV
-matrix is split along its rows by whole query groups at any TP, its global tensor the same."""
+at another; steps 4-6 (loss and grad norm) within 1e-5 relative of the uninterrupted run, and the
+final checkpoints' weights and optimizer state within 1e-5 of each tensor's largest value.
+
+Nothing of ours does it: Megatron-Core saves each Muon momentum buffer (and AdamW moment) as a
+ShardedTensor like its parameter's (`optim_state_to_sharding_state`: `chained_<i>.optimizer.state.
+momentum_buffer.<weight key>`), so dist_checkpointing reshards it as it reshards the weight: the
+fused QKV matrix by whole query groups along its rows, the SwiGLU fc1 by its gate and up halves.
+The layer-wise distributed optimizer (DP2, bf16) writes each buffer from the rank that owns it,
+under the same keys, so its checkpoints load unsharded (DP1, or DP2 without it) and back. fp32
+(the layer-wise cases bf16: the only precision it runs) with fp32 Newton-Schulz; no dropout, so
+the per-rank RNG states, not restored across layouts, play no part."""
 
 from __future__ import annotations
 
@@ -25,21 +31,26 @@ BASE = [
     "runtime.spec=portable", "logging.tensorboard=false", f"checkpoint.save_interval={STOP}",
     "model.num_layers=2", "optimizer.lr=1e-2", "optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest",
 ]
-FP32_UNSHARDED = ["optimizer.distributed=false"]
+UNSHARDED = ["optimizer.distributed=false"]  # plain Muon; at DP 1 the same as the default
 BF16 = ["runtime.dtype=bf16", "optimizer.clip_grad=0"]
-# name: (ranks and layout of the uninterrupted run, ranks and layout of the resume)
+FOUR_LAYERS = ["model.num_layers=4"]  # PP2 x VPP2 needs a layer per chunk
+# name: (ranks and layout of the uninterrupted run, ranks and layout of the resume[, recipe])
 CASES = {
-    "TP2-to-TP1": ((2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"] + FP32_UNSHARDED),
-                   (1, FP32_UNSHARDED)),
-    "PP2-to-PP1": ((2, ["parallel.pipeline_parallel=2"] + FP32_UNSHARDED), (1, FP32_UNSHARDED)),
+    "TP2-to-TP1": ((2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"] + UNSHARDED),
+                   (1, UNSHARDED)),
+    "PP2-to-PP1": ((2, ["parallel.pipeline_parallel=2"] + UNSHARDED), (1, UNSHARDED)),
+    "PP2xVPP2-to-TP2": ((2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"] + FOUR_LAYERS + UNSHARDED),
+                        (2, ["parallel.tensor_parallel=2"] + FOUR_LAYERS + UNSHARDED)),
+    # Experts' momentum: dense and expert optimizers are separate chained optimizers at any EP.
+    "MoE-EP2-to-EP1": ((2, ["parallel.expert_parallel=2"] + UNSHARDED), (1, UNSHARDED), "tiny-moe"),
     "DP2-layer-wise-to-DP1": ((2, BF16), (1, BF16)),
-    "DP2-layer-wise-to-DP2-unsharded": ((2, BF16), (2, BF16 + FP32_UNSHARDED)),
-    "DP2-unsharded-to-DP2-layer-wise": ((2, BF16 + FP32_UNSHARDED), (2, BF16)),
+    "DP2-layer-wise-to-DP2-unsharded": ((2, BF16), (2, BF16 + UNSHARDED)),
+    "DP2-unsharded-to-DP2-layer-wise": ((2, BF16 + UNSHARDED), (2, BF16)),
 }
 
 
-def _run(nproc: int, extra: list[str], run_dir) -> dict:
-    results = run_ranks(nproc, "tests.pretrain.workers:train", recipe="tiny-llama",
+def _run(nproc: int, extra: list[str], run_dir, recipe: str = "tiny-llama") -> dict:
+    results = run_ranks(nproc, "tests.pretrain.workers:train", recipe=recipe,
                         overrides=BASE + extra + [f"logging.run_dir={run_dir}"])
     return {"losses": logged_losses(results), "grad_norms": logged_grad_norms(results)}
 
@@ -66,17 +77,19 @@ def _worst_tensor_difference(got: dict, want: dict, rtol: float, what: str) -> f
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_muon_resume_across_layouts(name, tmp_path):
-    (src_n, src), (dst_n, dst) = CASES[name]
-    full = _run(src_n, src + [f"checkpoint.dir={tmp_path / 'full'}", "checkpoint.resume=none"], tmp_path / "a")
+    (src_n, src), (dst_n, dst), *recipe = CASES[name]
+    full = _run(src_n, src + [f"checkpoint.dir={tmp_path / 'full'}", "checkpoint.resume=none"], tmp_path / "a", *recipe)
     stopped = tmp_path / "full" / f"step_{STOP:08d}"
     resumed = _run(dst_n, dst + [f"checkpoint.dir={tmp_path / 'resumed'}", f"checkpoint.resume={stopped}"],
-                   tmp_path / "b")
+                   tmp_path / "b", *recipe)
     assert len(resumed["losses"]) == STEPS - STOP
     worst = {kind: assert_steps_close(resumed[kind], full[kind][STOP:], rtol=1e-5, start=STOP + 1,
                                       what=f"Muon {name} resumed {kind}") for kind in ("losses", "grad_norms")}
     final = f"step_{STEPS:08d}"
     got, want = _tensors(tmp_path / "resumed" / final), _tensors(tmp_path / "full" / final)
     assert any("momentum_buffer" in key for key in want), "no Muon momentum in the checkpoint"
+    if recipe:
+        assert any("momentum_buffer" in key and "experts" in key for key in want), "no experts' momentum"
     for kind, is_state in (("weights", False), ("optimizer state", True)):
         def part(tensors):
             return {k: v for k, v in tensors.items() if (".optimizer.state." in k) == is_state}
