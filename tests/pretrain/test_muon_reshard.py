@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from checkpoints_tools.dcp_io import CheckpointReader
+from checkpoints_tools.reshard import reshard
+from models.layout import ParallelLayout
 from tests.compare import assert_steps_close, relative_differences
 from tests.distributed import run_ranks
 from tests.pretrain.test_muon import needs_emerging_optimizers
@@ -75,26 +77,49 @@ def _worst_tensor_difference(got: dict, want: dict, rtol: float, what: str) -> f
     return worst
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_muon_resume_across_layouts(name, tmp_path):
-    (src_n, src), (dst_n, dst), *recipe = CASES[name]
-    full = _run(src_n, src + [f"checkpoint.dir={tmp_path / 'full'}", "checkpoint.resume=none"], tmp_path / "a", *recipe)
-    stopped = tmp_path / "full" / f"step_{STOP:08d}"
-    resumed = _run(dst_n, dst + [f"checkpoint.dir={tmp_path / 'resumed'}", f"checkpoint.resume={stopped}"],
-                   tmp_path / "b", *recipe)
+def _uninterrupted(name: str, tmp_path) -> dict:
+    """The case's run at its first layout, saving at step STOP and at the end."""
+    (nproc, layout), _, *recipe = CASES[name]
+    return _run(nproc, layout + [f"checkpoint.dir={tmp_path / 'full'}", "checkpoint.resume=none"],
+                tmp_path / "a", *recipe)
+
+
+def _resumed(name: str, checkpoint, tmp_path) -> dict:
+    _, (nproc, layout), *recipe = CASES[name]
+    return _run(nproc, layout + [f"checkpoint.dir={tmp_path / 'resumed'}", f"checkpoint.resume={checkpoint}"],
+                tmp_path / "b", *recipe)
+
+
+def _assert_continues(name: str, full: dict, resumed: dict, tmp_path) -> None:
+    """Steps STOP+1.. of the resumed run and its final checkpoint vs the uninterrupted run's."""
     assert len(resumed["losses"]) == STEPS - STOP
     worst = {kind: assert_steps_close(resumed[kind], full[kind][STOP:], rtol=1e-5, start=STOP + 1,
                                       what=f"Muon {name} resumed {kind}") for kind in ("losses", "grad_norms")}
     final = f"step_{STEPS:08d}"
     got, want = _tensors(tmp_path / "resumed" / final), _tensors(tmp_path / "full" / final)
     assert any("momentum_buffer" in key for key in want), "no Muon momentum in the checkpoint"
-    if recipe:
+    if "MoE" in name:
         assert any("momentum_buffer" in key and "experts" in key for key in want), "no experts' momentum"
     for kind, is_state in (("weights", False), ("optimizer state", True)):
         def part(tensors):
             return {k: v for k, v in tensors.items() if (".optimizer.state." in k) == is_state}
         worst[kind] = _worst_tensor_difference(part(got), part(want), 1e-5, f"Muon {name} final {kind}")
     print(f"{name}: worst rel diff " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_muon_resume_across_layouts(name, tmp_path):
+    full = _uninterrupted(name, tmp_path)
+    _assert_continues(name, full, _resumed(name, tmp_path / "full" / f"step_{STOP:08d}", tmp_path), tmp_path)
+
+
+def test_muon_state_survives_the_offline_reshard(tmp_path):
+    # checkpoints_tools.reshard keeps every optimizer tensor (momentum buffers included) and
+    # rewrites it for the target layout: TP2 + SP -> TP1 offline, then resumed at TP1.
+    full = _uninterrupted("TP2-to-TP1", tmp_path)
+    tp1 = tmp_path / "tp1"
+    assert reshard(tmp_path / "full" / f"step_{STOP:08d}", tp1, layout=ParallelLayout())["optimizer"]
+    _assert_continues("TP2-to-TP1 offline", full, _resumed("TP2-to-TP1", tp1, tmp_path), tmp_path)
 
 
 def train_with_momentum_zeroed(recipe: str, overrides: list[str]) -> dict:
@@ -127,8 +152,8 @@ def train_with_momentum_zeroed(recipe: str, overrides: list[str]) -> dict:
 def test_the_check_fails_when_the_momentum_is_not_loaded(tmp_path):
     # The control: the TP2 -> TP1 resume above with Muon's loaded momentum zeroed must fail the
     # same 1e-5 check (the AdamW moments and the weights still loaded).
-    (src_n, src), (dst_n, dst) = CASES["TP2-to-TP1"]
-    full = _run(src_n, src + [f"checkpoint.dir={tmp_path / 'full'}", "checkpoint.resume=none"], tmp_path / "a")
+    _, (dst_n, dst) = CASES["TP2-to-TP1"]
+    full = _uninterrupted("TP2-to-TP1", tmp_path)
     stopped = tmp_path / "full" / f"step_{STOP:08d}"
     results = run_ranks(dst_n, "tests.pretrain.test_muon_reshard:train_with_momentum_zeroed", recipe="tiny-llama",
                         overrides=BASE + dst + [f"checkpoint.dir={tmp_path / 'resumed'}",
