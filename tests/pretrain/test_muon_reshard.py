@@ -183,6 +183,7 @@ def test_the_check_fails_when_the_momentum_is_not_loaded(tmp_path):
                         overrides=BASE + dst + [f"checkpoint.dir={tmp_path / 'resumed'}",
                                                 f"checkpoint.resume={stopped}", f"logging.run_dir={tmp_path / 'b'}"])
     losses = logged_losses(results)
+    assert len(losses) == STEPS - STOP  # else the check below would fail for the wrong reason
     with pytest.raises(AssertionError):
         assert_steps_close(losses, full["losses"][STOP:], rtol=1e-5, start=STOP + 1, what="momentum zeroed")
     print(f"momentum zeroed: worst rel diff {max(relative_differences(losses, full['losses'][STOP:])):.2e}")
