@@ -91,3 +91,29 @@ def test_deepseek_layout_matches_one_rank(reference, tmp_path, name):
     top = max(worst, key=worst.get)
     print(f"\n{name}: loss {loss:.1e}, grad norm {norm:.1e} (max relative), weights {worst[top]:.1e} ({top})")
     assert worst[top] <= 1e-5, (top, worst[top])
+
+
+# tiny-deepseek's MLA without its MoE: TP without SP needs a dense model (Megatron-Core's MoE
+# layer trains at TP > 1 only with SP).
+DENSE_MLA = ["model.num_experts=null", "model.moe_ffn_hidden_size=null", "model.moe_shared_expert_hidden_size=null",
+             "model.moe_router_num_groups=null", "model.moe_router_group_topk=null",
+             "model.moe_router_score_function=softmax", "model.moe_router_enable_expert_bias=false",
+             "model.moe_router_topk_scaling_factor=null", "model.moe_layer_freq=1"]
+
+
+def test_latent_norm_gradients_at_tp2_without_sp_equal_one_rank(tmp_path):
+    """Without SP every TP rank holds the whole latent-norm gradient; upstream's by-name rule
+    (sum every `*q_layernorm*` over TP) would double the q latent norm's (measured: 0.018 -> 0.036
+    for layer 0), which Adam's per-element scaling hides from the loss. models.mla.LatentNorm
+    averages instead; the gradients after finalize_model_grads must equal one rank's."""
+    base = [o for o in BASE if not o.startswith(("schedule.train_steps", "checkpoint.save_interval"))] + DENSE_MLA
+    runs = {}
+    for tag, nproc, extra in (("one", 1, []), ("tp2", 2, ["parallel.tensor_parallel=2"])):
+        runs[tag] = run_ranks(nproc, "tests.pretrain.workers:norm_grads", recipe="tiny-deepseek",
+                              overrides=base + extra + [f"logging.run_dir={tmp_path / tag}"])
+    want = runs["one"][0]
+    assert any("q_layernorm" in k for k in want) and any("kv_layernorm" in k for k in want), sorted(want)
+    for rank in runs["tp2"]:
+        assert sorted(rank) == sorted(want)
+        worst = max(max(abs(a - b) for a, b in zip(rank[k], want[k], strict=True)) for k in want)
+        assert worst <= 1e-6, worst
