@@ -103,7 +103,9 @@ def output_params(m: ModelConfig) -> int:
 
 def total_params(m: ModelConfig) -> int:
     moe_layers = m.num_moe_layers
-    layers = moe_layers * layer_params(m, True) + (m.num_layers - moe_layers) * layer_params(m, False)
+    layers = (m.num_layers - moe_layers) * layer_params(m, False)
+    if moe_layers:
+        layers += moe_layers * layer_params(m, True)
     return embedding_params(m) + layers + output_params(m)
 
 
