@@ -70,10 +70,15 @@ class ModelConfig(BaseModel):
     # norms are always on (qk_layernorm is the per-head q/k norm of Qwen3: refused with MLA).
     # RoPE is plain (rope_base); DeepSeek-V3's YaRN long-context extension is not covered yet.
     multi_latent_attention: bool = False
+    # MLA's query latent width (DeepSeek-V3: 1536); None = queries projected from h directly.
     q_lora_rank: Optional[int] = Field(default=None, gt=0)
+    # MLA's key/value latent width (DeepSeek-V3: 512); required with MLA.
     kv_lora_rank: Optional[int] = Field(default=None, gt=0)
+    # MLA's per-head q/k channels without RoPE (DeepSeek-V3's qk_nope_head_dim: 128).
     qk_head_dim: Optional[int] = Field(default=None, gt=0)
+    # MLA's per-head q/k RoPE channels (DeepSeek-V3's qk_rope_head_dim: 64; even).
     qk_pos_emb_head_dim: Optional[int] = Field(default=None, gt=0)
+    # MLA's per-head value channels (DeepSeek-V3: 128).
     v_head_dim: Optional[int] = Field(default=None, gt=0)
 
     # muP (maximal update parametrization) on Megatron-Core's own: TransformerConfig's use_mup,
@@ -121,6 +126,7 @@ class ModelConfig(BaseModel):
     # moe_router_num_groups equal groups; each token picks moe_router_group_topk groups (by the
     # sum of each group's top topk/group_topk scores), then its top k experts inside them.
     moe_router_num_groups: Optional[int] = Field(default=None, gt=0)
+    # Groups each token chooses (DeepSeek-V3: 4 of 8); set with moe_router_num_groups.
     moe_router_group_topk: Optional[int] = Field(default=None, gt=0)
     # Routed-expert weights times this (DeepSeek-V3's routed_scaling_factor 2.5); None = 1.
     moe_router_topk_scaling_factor: Optional[float] = Field(default=None, gt=0)
