@@ -73,6 +73,46 @@ def reference(module_tmp_factory) -> dict:
     return ref
 
 
+def mla_attention_vs_torch() -> dict:
+    """Rank function: tiny-deepseek built on one rank; its first layer's MLACoreAttention against
+    torch's scaled_dot_product_attention (q/k heads of 16 + 8, v heads of 16), causal and with a
+    document mask; and the softmax scale MLA hands it."""
+    import torch
+
+    from models.build import build_model_chunks
+    from models.layout import ParallelLayout
+    from models.runtime import RuntimeOptions
+    from pretrain.runtime import init_distributed, shutdown
+
+    init_distributed(ParallelLayout(), seed=0)
+    (chunk,) = build_model_chunks(get_flavor("tiny-deepseek"), ParallelLayout(), RuntimeOptions(seed=0, spec="portable"))
+    attention = chunk.decoder.layers[0].self_attention
+    core = attention.core_attention
+    gen = torch.Generator().manual_seed(0)
+    s, b, n = 12, 2, 8
+    q, k = (torch.randn(s, b, n, 24, generator=gen) for _ in range(2))
+    v = torch.randn(s, b, n, 16, generator=gen)
+    docs = torch.tensor([0] * 5 + [1] * 7)
+    hidden = (docs[:, None] != docs[None, :]) | torch.ones(s, s, dtype=torch.bool).triu(1)  # True = masked
+    worst = {}
+    for tag, mask in (("causal", None), ("documents", hidden.expand(b, 1, s, s))):
+        got = core(q, k, v, mask)  # [s, b, n * 16]
+        allowed = None if mask is None else ~mask
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), attn_mask=allowed,
+            is_causal=mask is None, scale=24 ** -0.5)  # [b, n, s, 16]
+        worst[tag] = (got - want.permute(2, 0, 1, 3).reshape(s, b, n * 16)).abs().max().item()
+    scales = [attention.softmax_scale, core.softmax_scale]
+    shutdown()
+    return {"worst": worst, "scales": scales}
+
+
+def test_mla_core_attention_equals_plain_torch_attention():
+    (result,) = run_ranks(1, "tests.pretrain.test_deepseek_parity:mla_attention_vs_torch")
+    assert result["scales"] == [pytest.approx(24 ** -0.5, rel=1e-12)] * 2, result["scales"]
+    assert result["worst"]["causal"] <= 1e-6 and result["worst"]["documents"] <= 1e-6, result["worst"]
+
+
 def test_tiny_deepseek_parameter_count_matches_the_formula(reference):
     """models.flops (MLA, dense first layer, shared expert) against what Megatron-Core built."""
     assert reference["ranks"][0]["params"] == total_params(get_flavor("tiny-deepseek"))
