@@ -11,8 +11,9 @@ its column-parallel down projections over the two ranks (the latent norms normal
 sequence-sharded tokens: their gradients summed over TP); EP2 puts 4 whole experts (2 whole
 groups) on each rank. PP2 (layers 1-2 | 3-4: a dense and a MoE layer on stage 0) is marked slow.
 
-Also: MLACoreAttention against plain PyTorch attention, and the built model's parameter count
-against models.flops.
+Also: MLACoreAttention against torch's attention, MLA's weights as models/init.py draws them
+(Megatron-Core's init methods, latent norms at 1, the expert bias at 0), the latent norms'
+gradients at TP2 without SP, and the built model's parameter count against models.flops.
 """
 
 from __future__ import annotations
@@ -103,14 +104,29 @@ def mla_attention_vs_torch() -> dict:
             is_causal=mask is None, scale=24 ** -0.5)  # [b, n, s, 16]
         worst[tag] = (got - want.permute(2, 0, 1, 3).reshape(s, b, n * 16)).abs().max().item()
     scales = [attention.softmax_scale, core.softmax_scale]
+    # The layout-invariant init (models/init.py) on MLA's weights: Megatron-Core's init methods.
+    params = dict(chunk.named_parameters())
+    init = {name.split("self_attention.")[1]: [p.std().item(), p.mean().item()]
+            for name, p in params.items() if name.startswith("decoder.layers.1.self_attention.")}
+    bias = chunk.decoder.layers[1].mlp.router.expert_bias
     shutdown()
-    return {"worst": worst, "scales": scales}
+    return {"worst": worst, "scales": scales, "init": init, "expert_bias": bias.abs().max().item()}
 
 
-def test_mla_core_attention_equals_plain_torch_attention():
+def test_mla_core_attention_equals_torch_and_its_weights_get_megatrons_init():
     (result,) = run_ranks(1, "tests.pretrain.test_deepseek_parity:mla_attention_vs_torch")
     assert result["scales"] == [pytest.approx(24 ** -0.5, rel=1e-12)] * 2, result["scales"]
     assert result["worst"]["causal"] <= 1e-6 and result["worst"]["documents"] <= 1e-6, result["worst"]
+    init = result["init"]
+    assert sorted(init) == ["kv_layernorm.weight", "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",
+                            "linear_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+                            "q_layernorm.weight"]
+    for name in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
+        assert init[f"{name}.weight"][0] == pytest.approx(0.02, rel=0.05), (name, init[f"{name}.weight"])
+    # The output projection: init_std / sqrt(2 x 4 layers) (Megatron's scaled init).
+    assert init["linear_proj.weight"][0] == pytest.approx(0.02 / 8 ** 0.5, rel=0.05)
+    assert init["q_layernorm.weight"] == [0.0, 1.0] and init["kv_layernorm.weight"] == [0.0, 1.0]
+    assert result["expert_bias"] == 0.0
 
 
 def test_tiny_deepseek_parameter_count_matches_the_formula(reference):
