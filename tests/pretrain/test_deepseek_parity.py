@@ -9,7 +9,9 @@ checkpoints the runs write: global tensors, all experts, whatever the layout) wi
 absolute; the expert bias (a buffer the checkpoint keeps) too. TP2 + SP splits MLA's heads and
 its column-parallel down projections over the two ranks (the latent norms normalise
 sequence-sharded tokens: their gradients summed over TP); EP2 puts 4 whole experts (2 whole
-groups) on each rank. PP2 (layers 1-2 | 3-4: a dense and a MoE layer on stage 0) is marked slow.
+groups) on each rank, and its step-3 checkpoint resumed at one rank continues the one-rank run
+(steps 4-5 and final weights). PP2 (layers 1-2 | 3-4: a dense and a MoE layer on stage 0) is
+marked slow.
 
 Also: MLACoreAttention against torch's attention, MLA's weights as models/init.py draws them
 (Megatron-Core's init methods, latent norms at 1, the expert bias at 0), the latent norms'
@@ -39,7 +41,7 @@ BASE = [
     f"checkpoint.save_interval={STEPS}", "checkpoint.resume=none",
 ]
 LAYOUTS = {  # name -> (ranks, overrides)
-    "EP2": (2, ["parallel.expert_parallel=2"]),
+    "EP2": (2, ["parallel.expert_parallel=2", "checkpoint.save_steps=[3]"]),  # + resumed at one rank
     "TP2-SP": (2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]),
     "PP2": (2, ["parallel.pipeline_parallel=2"]),
 }
@@ -50,12 +52,12 @@ Q_NORM = "decoder.layers.3.self_attention.q_layernorm.weight"
 EXPERT_BIAS = "decoder.layers.3.mlp.router.expert_bias"
 
 
-def _run(root, tag: str, nproc: int, extra: list[str]) -> dict:
+def _run(root, tag: str, nproc: int, extra: list[str], ckpt_tag: str | None = None) -> dict:
     results = run_ranks(nproc, "tests.pretrain.workers:train", recipe="tiny-deepseek",
-                        overrides=BASE + extra + [f"checkpoint.dir={root / tag / 'ckpt'}",
+                        overrides=BASE + extra + [f"checkpoint.dir={root / (ckpt_tag or tag) / 'ckpt'}",
                                                   f"logging.run_dir={root / tag}"])
     records = [json.loads(line) for line in (root / tag / "metrics.jsonl").read_text().splitlines()]
-    reader = CheckpointReader(root / tag / "ckpt" / f"step_{STEPS:08d}")
+    reader = CheckpointReader(root / (ckpt_tag or tag) / "ckpt" / f"step_{STEPS:08d}")
     weights = {k: reader.read(k) for k in reader.tensor_keys() if not k.startswith(OPTIMIZER_PREFIXES)}
     return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
             "weights": weights, "ranks": results}
@@ -147,6 +149,14 @@ def test_deepseek_layout_matches_one_rank(reference, tmp_path, name):
     top = max(worst, key=worst.get)
     print(f"\n{name}: loss {loss:.1e}, grad norm {norm:.1e} (max relative), weights {worst[top]:.1e} ({top})")
     assert worst[top] <= 1e-5, (top, worst[top])
+    if name == "EP2":
+        # EP2's step-3 checkpoint (MLA weights, experts, expert bias, optimizer) resumed at one rank
+        # continues the one-rank run.
+        resumed = _run(tmp_path, "resumed", 1, ["checkpoint.resume=3", "checkpoint.on_newer=move_aside"],
+                       ckpt_tag=name)
+        assert_steps_close(resumed["loss"], reference["loss"][3:], rtol=1e-5, what="EP2 -> 1 rank resumed loss",
+                           start=4)
+        assert max((resumed["weights"][k] - reference["weights"][k]).abs().max().item() for k in keys) <= 1e-5
 
 
 # tiny-deepseek's MLA without its MoE: TP without SP needs a dense model (Megatron-Core's MoE
