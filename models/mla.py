@@ -11,7 +11,7 @@ YaRN), and only the output width changes (heads x v_head_dim instead of heads x 
 It also completes one gradient upstream's local path leaves partial at TP > 1 (below).
 Masks are DotProductAttention's: causal, or the [b, 1, s, s] document mask of
 models.documents. Packed (THD) sequences and context parallelism stay TE's (the `te` spec);
-models.layout refuses CP > 1 with MLA on the portable spec.
+pretrain.config.validation refuses CP > 1 with MLA on the portable spec.
 
 The shared RoPE key at TP > 1. MLA has one RoPE key (qk_pos_emb_head_dim channels) for all
 heads. With the local spec's column-parallel kv down projection, MLASelfAttention all-gathers
@@ -20,11 +20,10 @@ the whole RoPE key and appends it to each of its own heads' keys. Its gradient o
 then the sum over that rank's heads only, and the gather's backward (a split of the last
 dimension) assumes a gradient already equal on every rank: the other ranks' heads' share is
 lost. Measured on tiny-deepseek at TP2 + SP: the step-1 grad norm 1.7e-5 off one rank's,
-losses apart by 3e-4 after 3 updates. `MLACoreAttention` sums the gradient of the keys' RoPE
+losses 3e-4 (relative) apart at step 4. `MLACoreAttention` sums the gradient of the keys' RoPE
 channels over TP before it reaches the expand (an autograd identity forward), which makes it
-the whole-model gradient on every rank, as the split expects. (The `te` spec replicates the
-down projections and gathers the RoPE key over the sequence instead, whose reduce-scatter
-backward sums it.)
+the whole-model gradient on every rank, as the split expects. (Megatron-Core's `te` spec
+replicates the down projections instead (TELinear, duplicated): a path this does not touch.)
 
 `LatentNorm`: the q and kv latent norms (DeepSeek's q_a_layernorm / kv_a_layernorm). The local
 spec's down projections are column-parallel and gather their output, so without sequence
