@@ -168,6 +168,11 @@ def _llama_problems(model: ModelConfig) -> list[str]:
     if model.moe_router_enable_expert_bias:
         problems.append("moe_router_enable_expert_bias=true (the aux-loss-free routing bias; Mixtral and Qwen3-MoE "
                         "have none)")
+    if model.is_moe and model.moe_layer_freq != 1:
+        problems.append("moe_layer_freq (dense layers among MoE ones; Mixtral and Qwen3-MoE here are all-MoE)")
+    if model.moe_router_num_groups or model.moe_router_topk_scaling_factor:
+        problems.append("group-limited routing / moe_router_topk_scaling_factor (DeepSeek-V3's; Mixtral and "
+                        "Qwen3-MoE have neither)")
     return problems
 
 
@@ -204,6 +209,9 @@ def hf_family(model: ModelConfig) -> str:
     q/k RMSNorm, dense), 'qwen3_moe' (Qwen3 + routed experts, no shared expert) or 'gpt2'
     (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases, MHA); a ValueError naming the
     fields when none can express the model."""
+    if model.multi_latent_attention:
+        raise ValueError("multi_latent_attention: export/import as DeepseekV3ForCausalLM is not implemented yet "
+                         "(issue 45); no other class of ours holds MLA weights")
     if model.qk_layernorm:
         qwen3 = _qwen3_problems(model)
         if not qwen3:

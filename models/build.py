@@ -35,13 +35,15 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from models.config import ModelConfig
 from models.context_parallel import ContextParallelAttention
 from models.documents import DocumentGPTModel
 from models.init import initialize_weights, is_expert_param
 from models.layout import ParallelLayout
+from models.mla import mla_self_attention
 from models.padded_vocab import mask_padded_logits
 from models.precision import MachineFacts, fp8_transformer_kwargs, probe_machine
 from models.runtime import RuntimeOptions, SpecName
@@ -97,7 +99,8 @@ def transformer_config(
         # Both specs read it: te builds TENorm q/k norms, our portable spec PortableNorm ones;
         # finalize_model_grads sums their gradients over TP by name (each TP rank normalises
         # only its own heads with the one shared weight).
-        qk_layernorm=model.qk_layernorm,
+        # (MLA: its q/kv latent norms, always on; models.mla says how their TP gradients work.)
+        qk_layernorm=model.qk_layernorm or model.multi_latent_attention,
         init_method_std=model.init_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -149,6 +152,9 @@ def transformer_config(
         kwargs.update(cp_comm_type=_TE_CP_COMM[layout.cp_comm_type or "p2p"])
     if model.is_moe:
         kwargs.update(_moe_kwargs(model, layout, spec, runtime.moe_grouped_gemm))
+    if model.multi_latent_attention:
+        # use_mup is refused with MLA (ModelConfig), so this is the whole config.
+        return MLATransformerConfig(**kwargs, **_mla_kwargs(model))
     if not model.use_mup:
         return TransformerConfig(**kwargs)
     kwargs.update(_mup_kwargs(model))
@@ -176,6 +182,17 @@ def _mup_kwargs(model: ModelConfig) -> dict:
     )
 
 
+def _mla_kwargs(model: ModelConfig) -> dict:
+    """MLATransformerConfig's own fields. Its rope_type defaults to YaRN (factor 40); we run
+    plain RoPE at rope_base, and a scaling factor of 1 keeps YaRN's mscale out of the softmax
+    scale (MultiLatentAttention multiplies it by mscale^2 whatever the rope type)."""
+    return dict(
+        q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+        rope_type="rope", rotary_base=model.rope_base, rotary_scaling_factor=1.0, mscale_all_dim=0.0,
+    )
+
+
 _TE_CP_COMM = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather"}
 
 
@@ -193,6 +210,10 @@ def _moe_kwargs(model: ModelConfig, layout: ParallelLayout, spec: str, grouped_g
         moe_router_score_function=model.moe_router_score_function,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=model.expert_bias_update_rate,
+        moe_layer_freq=model.moe_layer_freq,
+        moe_router_num_groups=model.moe_router_num_groups,
+        moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_ffn_hidden_size=model.expert_ffn_hidden_size,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_hidden_size,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -209,10 +230,13 @@ def _moe_kwargs(model: ModelConfig, layout: ParallelLayout, spec: str, grouped_g
 def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_stage: Optional[int]):
     """The block spec for this pipeline chunk (its layers and its final norm).
 
-    `te`: Megatron-Core's Transformer Engine block spec (TE does SP and CP itself).
+    `te`: Megatron-Core's Transformer Engine block spec (TE does SP and CP itself; MLA and
+    moe_layer_freq included).
     `portable`: the local spec with `PortableNorm` (sequence-parallel aware) as every norm,
-    q/k norms included (the local spec's WrappedTorchNorm refuses SP even there), and, at
-    CP > 1, `ContextParallelAttention` as core attention.
+    q/k norms included (the local spec's WrappedTorchNorm refuses SP even there), at CP > 1
+    `ContextParallelAttention` as core attention, and with MLA models.mla's core attention
+    and latent norms. With moe_layer_freq the dense layers get a dense MLP, as upstream's
+    block spec does; this chunk takes its layers' slice of the global pattern.
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if spec == "te":
@@ -221,24 +245,42 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization=config.normalization, vp_stage=vp_stage
         )
+    moe = _portable_layer(config, config.num_moe_experts)
+    if not config.num_moe_experts:
+        return TransformerBlockSubmodules(layer_specs=[moe] * num_layers, layer_norm=PortableNorm)
+    dense = _portable_layer(config, None)
+    freq = config.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = [moe if is_moe else dense for is_moe in pattern[offset:offset + num_layers]]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=PortableNorm)
+
+
+def _portable_layer(config: TransformerConfig, num_experts: Optional[int]) -> ModuleSpec:
+    """One portable transformer layer (dense MLP when num_experts is None)."""
+    mla = config.multi_latent_attention
     local = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, normalization=config.normalization, qk_layernorm=config.qk_layernorm
+        num_experts=num_experts, normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=mla,
     )
     submodules = dataclasses.replace(
         local.submodules, input_layernorm=PortableNorm, pre_mlp_layernorm=PortableNorm
     )
     attention = local.submodules.self_attention
-    replaced = {}
-    if config.qk_layernorm:
-        replaced.update(q_layernorm=PortableNorm, k_layernorm=PortableNorm)
-    if config.context_parallel_size > 1:
-        replaced.update(core_attention=ContextParallelAttention)
-    if replaced:
-        submodules = dataclasses.replace(submodules, self_attention=dataclasses.replace(
-            attention, submodules=dataclasses.replace(attention.submodules, **replaced),
-        ))
-    layer = ModuleSpec(module=local.module, submodules=submodules, params=local.params)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=PortableNorm)
+    if mla:
+        # Context parallelism with MLA is refused on this spec (pretrain.config.validation).
+        attention = mla_self_attention(attention)
+    else:
+        replaced = {}
+        if config.qk_layernorm:
+            replaced.update(q_layernorm=PortableNorm, k_layernorm=PortableNorm)
+        if config.context_parallel_size > 1:
+            replaced.update(core_attention=ContextParallelAttention)
+        if replaced:
+            attention = dataclasses.replace(
+                attention, submodules=dataclasses.replace(attention.submodules, **replaced))
+    submodules = dataclasses.replace(submodules, self_attention=attention)
+    return ModuleSpec(module=local.module, submodules=submodules, params=local.params)
 
 
 def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: RuntimeOptions, *,
@@ -276,7 +318,8 @@ def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: Runt
             rope_scaling_factor=model.rope_scaling_factor,
             vp_stage=vp,
         )
-        if model.position_embedding == "rope":
+        if model.position_embedding == "rope" and not model.multi_latent_attention:
+            # (MLA builds its RoPE inside each attention layer: no GPTModel table to scale.)
             # GPTModel hands RotaryEmbedding only the scaling factor (see models/rope.py).
             apply_llama3_scaling(gpt.rotary_pos_emb, model)
         if gpt.pre_process and model.position_embedding == "learned_absolute":

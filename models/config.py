@@ -62,6 +62,25 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = False
     init_std: float = Field(default=0.02, gt=0)
 
+    # Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's MLATransformerConfig, same names).
+    # Queries: h -> q_lora_rank (RMSNorm) -> heads x (qk_head_dim + qk_pos_emb_head_dim), or
+    # h -> heads x (...) directly when q_lora_rank is None. Keys/values: h -> kv_lora_rank
+    # (RMSNorm) -> heads x (qk_head_dim + v_head_dim), plus one RoPE key of qk_pos_emb_head_dim
+    # shared by all heads. Softmax scale 1/sqrt(qk_head_dim + qk_pos_emb_head_dim). The latent
+    # norms are always on (qk_layernorm is the per-head q/k norm of Qwen3: refused with MLA).
+    # RoPE is plain (rope_base); DeepSeek-V3's YaRN long-context extension is not covered yet.
+    multi_latent_attention: bool = False
+    # MLA's query latent width (DeepSeek-V3: 1536); None = queries projected from h directly.
+    q_lora_rank: Optional[int] = Field(default=None, gt=0)
+    # MLA's key/value latent width (DeepSeek-V3: 512); required with MLA.
+    kv_lora_rank: Optional[int] = Field(default=None, gt=0)
+    # MLA's per-head q/k channels without RoPE (DeepSeek-V3's qk_nope_head_dim: 128).
+    qk_head_dim: Optional[int] = Field(default=None, gt=0)
+    # MLA's per-head q/k RoPE channels (DeepSeek-V3's qk_rope_head_dim: 64; even).
+    qk_pos_emb_head_dim: Optional[int] = Field(default=None, gt=0)
+    # MLA's per-head value channels (DeepSeek-V3: 128).
+    v_head_dim: Optional[int] = Field(default=None, gt=0)
+
     # muP (maximal update parametrization) on Megatron-Core's own: TransformerConfig's use_mup,
     # mup_* (same names, same defaults; transformer_config.py) and Megatron-Core's optimizer rule
     # (optimizer.get_mup_config_overrides: AdamW LR and eps of hidden matrices / width_mult).
@@ -99,6 +118,18 @@ class ModelConfig(BaseModel):
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: Optional[float] = Field(default=None, gt=0)  # None: 1e-3 (Megatron-Core's)
     moe_shared_expert_hidden_size: Optional[int] = Field(default=None, gt=0)
+    # Which layers are MoE (Megatron-Core's moe_layer_freq): N = every N-th layer from the first
+    # (1 = all), or a 0/1 list with one entry per layer (0 = dense MLP of ffn_hidden_size).
+    # DeepSeek-V3's first_k_dense_replace=3 is [0, 0, 0, 1, ...].
+    moe_layer_freq: int | list[int] = 1
+    # Group-limited routing (DeepSeek-V3's n_group / topk_group): experts in
+    # moe_router_num_groups equal groups; each token picks moe_router_group_topk groups (by the
+    # sum of each group's top topk/group_topk scores), then its top k experts inside them.
+    moe_router_num_groups: Optional[int] = Field(default=None, gt=0)
+    # Groups each token chooses (DeepSeek-V3: 4 of 8); set with moe_router_num_groups.
+    moe_router_group_topk: Optional[int] = Field(default=None, gt=0)
+    # Routed-expert weights times this (DeepSeek-V3's routed_scaling_factor 2.5); None = 1.
+    moe_router_topk_scaling_factor: Optional[float] = Field(default=None, gt=0)
     # Load-balancing (Switch) aux loss weight; 0 turns it off. Logged as `moe_aux_loss`.
     moe_aux_loss_coeff: float = Field(default=1e-2, ge=0)
     # Router z-loss weight (ST-MoE); None = off.
@@ -159,18 +190,26 @@ class ModelConfig(BaseModel):
             raise ValueError("moe_shared_expert_hidden_size needs add_bias_linear=false (Megatron-Core's shared "
                              "expert has no biases)")
         self._check_router()
+        self._check_mla()
         moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
                     "moe_shared_expert_hidden_size": self.moe_shared_expert_hidden_size,
                     "moe_capacity_factor": self.moe_capacity_factor,
-                    "moe_z_loss_coeff": self.moe_z_loss_coeff}
+                    "moe_z_loss_coeff": self.moe_z_loss_coeff,
+                    "moe_router_num_groups": self.moe_router_num_groups,
+                    "moe_router_group_topk": self.moe_router_group_topk,
+                    "moe_router_topk_scaling_factor": self.moe_router_topk_scaling_factor}
         set_without_experts = [k for k, v in moe_only.items() if v is not None]
         for flag in ("moe_router_pre_softmax", "moe_router_enable_expert_bias"):
             if getattr(self, flag):
                 set_without_experts.append(flag)
         if self.moe_router_score_function != "softmax":
             set_without_experts.append("moe_router_score_function")
+        if self.moe_layer_freq != 1:
+            set_without_experts.append("moe_layer_freq")
         if self.num_experts is None and set_without_experts:
             raise ValueError(f"{', '.join(set_without_experts)} need(s) a MoE model; set num_experts")
+        if self.num_experts is not None:
+            self._check_moe_layers()
         if not self.use_mup:
             mup_keys = {"mup_base_hidden_size": None, "mup_embedding_mult": 1.0, "mup_output_mult": None,
                         "mup_base_head_dim": None, "mup_attn_scale_power": 1.0}
@@ -199,6 +238,78 @@ class ModelConfig(BaseModel):
         if self.moe_router_bias_update_rate is not None and not self.moe_router_enable_expert_bias:
             raise ValueError("moe_router_bias_update_rate is set but moe_router_enable_expert_bias=false: it would "
                              "change nothing; set moe_router_enable_expert_bias=true or drop the rate")
+
+    def _check_mla(self) -> None:
+        mla = {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank, "qk_head_dim": self.qk_head_dim,
+               "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim, "v_head_dim": self.v_head_dim}
+        if not self.multi_latent_attention:
+            stray = [k for k, v in mla.items() if v is not None]
+            if stray:
+                raise ValueError(f"{', '.join(stray)} need(s) multi_latent_attention=true; set it, or remove them")
+            return
+        missing = [k for k, v in mla.items() if v is None and k != "q_lora_rank"]
+        if missing:
+            raise ValueError(f"multi_latent_attention=true needs {', '.join(missing)} (DeepSeek-V3: kv_lora_rank=512, "
+                             "qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128; q_lora_rank=1536 or unset)")
+        clashes = {"num_query_groups": self.num_query_groups is not None and self.num_query_groups != self.num_attention_heads,
+                   "kv_channels": self.kv_channels is not None, "qk_layernorm": self.qk_layernorm,
+                   "add_bias_linear": self.add_bias_linear, "add_qkv_bias": self.add_qkv_bias,
+                   "rope_scaling": self.rope_scaling, "use_mup": self.use_mup,
+                   "position_embedding=learned_absolute": self.position_embedding != "rope"}
+        bad = [k for k, v in clashes.items() if v]
+        if bad:
+            # MLA sets its own head sizes (qk_/v_head_dim), has one K/V head per query head and
+            # always-on latent norms, no biases (Megatron-Core's MLASelfAttention), and RoPE of its own.
+            raise ValueError(f"multi_latent_attention=true does not combine with {bad[0]}; remove it (MLA's head "
+                             "sizes are qk_head_dim / qk_pos_emb_head_dim / v_head_dim, its latent norms are "
+                             "always on, it has no biases and its own plain RoPE)")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs "
+                             "of channels)")
+
+    def _check_moe_layers(self) -> None:
+        freq, n = self.moe_layer_freq, self.num_layers
+        if isinstance(freq, int) and not 1 <= freq <= n:
+            raise ValueError(f"moe_layer_freq={freq} must be between 1 and num_layers={n} (every N-th layer is MoE)")
+        if isinstance(freq, list) and (len(freq) != n or set(freq) - {0, 1} or 1 not in freq):
+            raise ValueError(f"moe_layer_freq as a list needs num_layers={n} entries of 0 (dense) or 1 (MoE), at "
+                             f"least one 1; got {freq}")
+        groups, group_topk, e, k = self.moe_router_num_groups, self.moe_router_group_topk, self.num_experts, \
+            self.moe_router_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("group-limited routing needs both moe_router_num_groups and moe_router_group_topk "
+                             "(DeepSeek-V3: 8 and 4), or neither")
+        if groups is None:
+            return
+        if e % groups:
+            raise ValueError(f"moe_router_num_groups={groups} does not divide num_experts={e}; valid: {divisors(e)}")
+        if group_topk > groups:
+            raise ValueError(f"moe_router_group_topk={group_topk} exceeds moe_router_num_groups={groups}")
+        if k % group_topk or k > group_topk * (e // groups):
+            # Megatron-Core scores a group by the sum of its top (topk / group_topk) experts.
+            raise ValueError(f"moe_router_topk={k} must be a multiple of moe_router_group_topk={group_topk} and at "
+                             f"most group_topk x experts per group = {group_topk * (e // groups)}")
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """1 (MoE) or 0 (dense) per layer, as Megatron-Core reads moe_layer_freq; [] for a dense model."""
+        if not self.is_moe:
+            return []
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            return list(freq)
+        return [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layer_pattern)
+
+    @property
+    def q_head_dim(self) -> int:
+        """MLA's query/key head size (the no-RoPE and RoPE parts); head_dim without MLA."""
+        if not self.multi_latent_attention:
+            return self.head_dim
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
 
     @property
     def expert_bias_update_rate(self) -> float:
@@ -297,6 +408,36 @@ _QWEN3_30B_A3B = _QWEN3_8B.model_copy(update=dict(
 _TINY_QWEN3_MOE = _TINY_QWEN3.model_copy(update=dict(
     num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-3,
 ))
+# DeepSeek-V3: transformers' DeepseekV3Config defaults, which document deepseek-ai/DeepSeek-V3's
+# config.json (61 layers, hidden 7168, 128 heads, MLA q_lora_rank 1536, kv_lora_rank 512,
+# qk_nope 128 + qk_rope 64, v 128; 256 routed experts of 2048 + 1 shared of 2048, top-8 of 8
+# groups (4 chosen), sigmoid scores with the aux-loss-free bias, routed_scaling_factor 2.5; the
+# first 3 layers dense (first_k_dense_replace) with intermediate 18432; vocab 129280, rms eps
+# 1e-6, untied). Not modelled yet: YaRN (the released model's rope_scaling: factor 40, 128K
+# context; transformers' default is plain RoPE at 4096), multi-token prediction (its one MTP
+# layer), and the sequence-wise balance loss (alpha 1e-4): moe_aux_loss_coeff is 0.
+_DEEPSEEK_V3 = ModelConfig(
+    num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+    vocab_size=129280, max_seq_length=4096, norm_eps=1e-6, rope_base=10000.0,
+    multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+    qk_pos_emb_head_dim=64, v_head_dim=128,
+    num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_hidden_size=2048,
+    moe_router_num_groups=8, moe_router_group_topk=4, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.0,
+    moe_layer_freq=[0] * 3 + [1] * 58,
+)
+# DeepSeek-V3's parts at tiny-llama's size: MLA (q latent 64, kv latent 32, heads of 16 + 8 RoPE
+# for q/k and 16 for v), layer 1 dense (ffn 256), layers 2-4 with 8 routed experts of 32 (top-2
+# of 2 groups chosen out of 4) + a 64-wide shared expert, sigmoid routing with the expert bias.
+_TINY_DEEPSEEK = _TINY_LLAMA.model_copy(update=dict(
+    num_query_groups=None, ffn_hidden_size=256, norm_eps=1e-6,
+    multi_latent_attention=True, q_lora_rank=64, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+    num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_hidden_size=64,
+    moe_router_num_groups=4, moe_router_group_topk=2, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.0,
+    moe_layer_freq=[0, 1, 1, 1],
+))
 # 4 experts, top-2: EP 1, 2 and 4 all hold whole experts.
 _TINY_MOE = _TINY_LLAMA.model_copy(update=dict(num_experts=4, moe_router_topk=2, ffn_hidden_size=256))
 
@@ -322,6 +463,8 @@ FLAVORS: dict[str, ModelConfig] = {
     ),
     "qwen3-8b": _QWEN3_8B,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "deepseek-v3": _DEEPSEEK_V3,
+    "tiny-deepseek": _TINY_DEEPSEEK,
     "tiny-llama": _TINY_LLAMA,
     "tiny-qwen3": _TINY_QWEN3,
     "tiny-qwen3-moe": _TINY_QWEN3_MOE,

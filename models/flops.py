@@ -14,7 +14,10 @@ from models.config import ModelConfig
 
 
 def attention_params(m: ModelConfig) -> int:
-    """QKV projection h x (n d + 2 g d), output projection n d x h, plus biases."""
+    """QKV projection h x (n d + 2 g d), output projection n d x h, plus biases (MLA:
+    `mla_attention_params`)."""
+    if m.multi_latent_attention:
+        return mla_attention_params(m)
     d, n, g, h = m.head_dim, m.num_attention_heads, m.query_groups, m.hidden_size
     qkv_out = n * d + 2 * g * d
     count = h * qkv_out + n * d * h
@@ -23,6 +26,25 @@ def attention_params(m: ModelConfig) -> int:
     if m.add_bias_linear:
         count += h
     return count
+
+
+def mla_attention_matrices(m: ModelConfig) -> int:
+    """Multi-latent attention's weight matrices (no biases; Megatron-Core's MLASelfAttention):
+      queries   h x q_lora + q_lora x n (dq + dr)   (h x n (dq + dr) when q_lora_rank is None)
+      keys/vals h x (kv_lora + dr) + kv_lora x n (dq + dv)   (one RoPE key of dr for all heads)
+      output    n dv x h
+    with dq = qk_head_dim, dr = qk_pos_emb_head_dim, dv = v_head_dim."""
+    h, n, qh, dv = m.hidden_size, m.num_attention_heads, m.q_head_dim, m.v_head_dim
+    q = h * n * qh if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank * n * qh
+    kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * n * (m.qk_head_dim + dv)
+    return q + kv + n * dv * h
+
+
+def mla_attention_params(m: ModelConfig) -> int:
+    """`mla_attention_matrices` plus the q and kv latent norms (q only with q_lora_rank)."""
+    per_norm = 2 if m.normalization == "LayerNorm" else 1
+    norms = m.kv_lora_rank + (m.q_lora_rank or 0)
+    return mla_attention_matrices(m) + per_norm * norms
 
 
 def mlp_params(m: ModelConfig, ffn: int) -> int:
@@ -48,10 +70,12 @@ def qk_norm_params(m: ModelConfig) -> int:
     return 2 * m.head_dim * (2 if m.normalization == "LayerNorm" else 1)
 
 
-def layer_params(m: ModelConfig) -> int:
-    """One transformer layer: two norms (+ q/k norms), attention, MLP (or router + experts)."""
+def layer_params(m: ModelConfig, moe: bool | None = None) -> int:
+    """One transformer layer: two norms (+ q/k norms), attention, MLP (or router + experts).
+    `moe`: which kind of layer (a MoE model's moe_layer_freq leaves some dense); None = MoE
+    for a MoE model."""
     count = 2 * norm_params(m) + qk_norm_params(m) + attention_params(m)
-    if m.is_moe:
+    if m.is_moe if moe is None else moe:
         count += m.hidden_size * m.num_experts  # router
         count += m.num_experts * mlp_params(m, m.expert_ffn_hidden_size)
         if m.moe_shared_expert_hidden_size:
@@ -78,7 +102,11 @@ def output_params(m: ModelConfig) -> int:
 
 
 def total_params(m: ModelConfig) -> int:
-    return embedding_params(m) + m.num_layers * layer_params(m) + output_params(m)
+    moe_layers = m.num_moe_layers
+    layers = (m.num_layers - moe_layers) * layer_params(m, False)
+    if moe_layers:
+        layers += moe_layers * layer_params(m, True)
+    return embedding_params(m) + layers + output_params(m)
 
 
 def active_params(m: ModelConfig) -> int:
@@ -88,7 +116,7 @@ def active_params(m: ModelConfig) -> int:
     if not m.is_moe:
         return total_params(m)
     skipped = m.num_experts - m.moe_router_topk
-    return total_params(m) - m.num_layers * skipped * mlp_params(m, m.expert_ffn_hidden_size)
+    return total_params(m) - m.num_moe_layers * skipped * mlp_params(m, m.expert_ffn_hidden_size)
 
 
 def document_attention_fraction(document_lengths, seq_length: int) -> float:
@@ -118,7 +146,10 @@ def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True
       weighted values A V  2 s n d   x 1/2 if causal
       output projection    2 n d h
       MLP                  2 h f (3 if SwiGLU: gate, up, down; else 2), per active expert
-                           (MoE: k experts per token, + 2 h E for the router)
+                           (MoE: k experts per token, + 2 h E for the router; the dense
+                           layers of moe_layer_freq use f = ffn_hidden_size)
+    MLA replaces the projections by 2 x its weight matrices and uses its head sizes
+    (`mla_attention_matrices`).
     Logits: 2 h V.
     d is the head size (kv_channels), which need not be h / n (Qwen3-0.6B: h 1024, n d 2048).
     Norms (q/k norms too) are elementwise, O(h) per token, and not counted, as in Megatron-LM.
@@ -129,15 +160,22 @@ def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True
     h, n, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     attn_factor = 0.5 if causal else 1.0
     attn_factor *= attention_fraction
-    attention = 2 * h * (n * d + 2 * g * d) + 2 * 2 * seq_length * n * d * attn_factor + 2 * n * d * h
-    mats = 3 if m.gated else 2
-    if m.is_moe:
-        mlp = m.moe_router_topk * 2 * h * m.expert_ffn_hidden_size * mats + 2 * h * m.num_experts
-        if m.moe_shared_expert_hidden_size:
-            mlp += 2 * h * m.moe_shared_expert_hidden_size * mats
+    if m.multi_latent_attention:
+        # Every projection once per token (2 x its weights); scores over q/k heads of
+        # qk_head_dim + qk_pos_emb_head_dim, weighted values over v_head_dim.
+        attention = 2 * mla_attention_matrices(m) + 2 * seq_length * n * (m.q_head_dim + m.v_head_dim) * attn_factor
     else:
-        mlp = 2 * h * m.ffn_hidden_size * mats
-    return m.num_layers * (attention + mlp) + 2 * h * m.padded_vocab_size
+        attention = 2 * h * (n * d + 2 * g * d) + 2 * 2 * seq_length * n * d * attn_factor + 2 * n * d * h
+    mats = 3 if m.gated else 2
+    dense = 2 * h * m.ffn_hidden_size * mats
+    moe_layers = m.num_moe_layers
+    mlp = (m.num_layers - moe_layers) * dense
+    if m.is_moe:
+        moe = m.moe_router_topk * 2 * h * m.expert_ffn_hidden_size * mats + 2 * h * m.num_experts
+        if m.moe_shared_expert_hidden_size:
+            moe += 2 * h * m.moe_shared_expert_hidden_size * mats
+        mlp += moe_layers * moe
+    return m.num_layers * attention + mlp + 2 * h * m.padded_vocab_size
 
 
 def training_flops_per_token(m: ModelConfig, seq_length: int, attention_fraction: float = 1.0) -> float:

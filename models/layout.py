@@ -172,6 +172,11 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, world_size: int)
     _check_divides("TP", tp, "num_query_groups", model.query_groups)
     _check_divides("TP", tp, "ffn_hidden_size", model.ffn_hidden_size)
     _check_divides("TP", tp, "padded vocab size", model.padded_vocab_size)
+    if model.multi_latent_attention:
+        # The portable spec's MLA down projections are column-parallel (split over TP).
+        if model.q_lora_rank is not None:
+            _check_divides("TP", tp, "q_lora_rank", model.q_lora_rank)
+        _check_divides("TP", tp, "kv_lora_rank + qk_pos_emb_head_dim", model.kv_lora_rank + model.qk_pos_emb_head_dim)
     pipeline_split(model.num_layers, layout)
     if layout.virtual_pipeline and pp == 1:
         raise LayoutError(

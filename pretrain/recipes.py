@@ -66,6 +66,17 @@ def tiny_qwen3_moe() -> ExperimentConfig:
     ))
 
 
+def tiny_deepseek() -> ExperimentConfig:
+    """tiny-llama's run with the tiny-deepseek flavor: multi-latent attention, layer 1 dense, then
+    8 routed experts (top-2 of 2 groups out of 4, sigmoid with the aux-loss-free bias) and a
+    shared expert: the DeepSeek-V3 path on CPU."""
+    base = tiny_llama()
+    return base.model_copy(update=dict(
+        name="tiny-deepseek", model=get_flavor("tiny-deepseek"),
+        logging=base.logging.model_copy(update=dict(run_dir="runs/tiny-deepseek")),
+    ))
+
+
 def _h100_base(name: str, flavor: str, layout: ParallelLayout, *, seq: int, gbs: int,
                lr: float, steps: int) -> ExperimentConfig:
     return ExperimentConfig(
@@ -106,6 +117,18 @@ def qwen3_30b_a3b() -> ExperimentConfig:
     step on H100s, and ranks TP2 x PP2 x CP2 x DP2 + SP without EP first (8.1 s, 73 GiB)."""
     layout = ParallelLayout(pipeline_parallel=2, expert_parallel=8)
     return _h100_base("qwen3-30b-a3b", "qwen3-30b-a3b", layout, seq=4096, gbs=512, lr=3e-4, steps=250_000)
+
+
+def deepseek_v3() -> ExperimentConfig:
+    """DeepSeek-V3 671B (the published shape; models.config) at 4k context, 1920 x 4096 = 7.9M
+    tokens a step (the paper's final batch size), 125k steps = 1T tokens (DeepSeek trained
+    14.8T; more steps than this need a larger data index than the dry run's memory check allows). DeepSeek trained with PP16 x EP64, no TP, as
+    here: 61 layers as 3 (the dense ones, beside the embedding) + 14 x 4 + 2 (beside the output
+    layer); 1024 GPUs give DP64, each DP rank one EP rank (4 experts per GPU). Not a measured or
+    planned layout yet: the planner does not model MLA (issue 45)."""
+    layout = ParallelLayout(pipeline_parallel=16, expert_parallel=64, num_layers_in_first_pipeline_stage=3,
+                            num_layers_in_last_pipeline_stage=2)
+    return _h100_base("deepseek-v3", "deepseek-v3", layout, seq=4096, gbs=1920, lr=2.2e-4, steps=125_000)
 
 
 def llama3_70b() -> ExperimentConfig:
@@ -156,9 +179,11 @@ RECIPES: dict[str, Callable[[], ExperimentConfig]] = {
     "tiny-moe": tiny_moe,
     "tiny-qwen3": tiny_qwen3,
     "tiny-qwen3-moe": tiny_qwen3_moe,
+    "tiny-deepseek": tiny_deepseek,
     "llama3-8b": llama3_8b,
     "qwen3-8b": qwen3_8b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
+    "deepseek-v3": deepseek_v3,
     "llama3-70b": llama3_70b,
     "gpt3-175b": gpt3_175b,
     "mixtral-8x7b": mixtral_8x7b,

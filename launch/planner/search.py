@@ -196,6 +196,13 @@ def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, s
                  memory_options: MemoryOptions, throughput_options: ThroughputOptions) -> Plan:
     """Every valid layout evaluated and sorted; `ranked` may be empty (see `plan`)."""
     check_world(world_size, device)
+    model = config.model
+    if model.multi_latent_attention or (model.is_moe and model.moe_layer_freq != 1):
+        # The memory and time model counts GQA attention and all-MoE layers: a DeepSeek-style
+        # model would get a plan that looks right and is not.
+        raise PlanError(f"the planner does not model multi-latent attention or dense layers among MoE layers "
+                        f"(moe_layer_freq) yet (issue 45), which {config.name} uses; size its layout by hand "
+                        "(its recipe's docstring) until it does")
     candidates, invalid = enumerate_candidates(config, world_size, device, space)
     if not candidates:
         raise PlanError(

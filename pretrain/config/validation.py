@@ -216,9 +216,24 @@ def check_spec_support(config: ExperimentConfig, spec: str) -> None:
             "on a GPU with Transformer Engine); the portable spec's context parallelism all-gathers "
             "keys/values: set parallel.cp_comm_type=allgather or leave it unset"
         )
+    if config.model.multi_latent_attention:
+        _check_portable_mla(config)
     if runtime.moe_grouped_gemm and config.model.is_moe:
         raise ConfigError("runtime.moe_grouped_gemm=true needs the Transformer Engine spec (TE's grouped "
                           "GEMM); set runtime.spec=te on GPU, or runtime.moe_grouped_gemm=false")
+
+
+def _check_portable_mla(config: ExperimentConfig) -> None:
+    """What models.mla's portable MLA does not run (Transformer Engine's MLA does)."""
+    if config.parallel.context_parallel > 1:
+        raise ConfigError(f"multi_latent_attention at context_parallel={config.parallel.context_parallel} needs the "
+                          "Transformer Engine spec (runtime.spec=te on a GPU); the portable spec's MLA runs at CP 1")
+    if config.data.reset_position_ids:
+        # Megatron-Core's MLASelfAttention builds RoPE for 0..s-1 inside each layer and takes no
+        # position ids; DocumentGPTModel's restart of positions reaches only GPTModel's table.
+        raise ConfigError("data.reset_position_ids=true with multi_latent_attention needs the Transformer Engine "
+                          "spec (packed sequences restart MLA's RoPE); on the portable spec set it false "
+                          "(data.reset_attention_mask alone works)")
 
 
 def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.MachineFacts] = None) -> str:

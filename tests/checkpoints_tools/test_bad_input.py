@@ -282,3 +282,17 @@ def test_tool_cli_refuses(case, tmp_path, hf_models, imported):
     argv = [*build(tmp_path, hf_models, imported), "--no-progress"] if "verify" not in module else \
         build(tmp_path, hf_models, imported)
     expect_refusal(module, argv, names=names, cwd=tmp_path)
+
+
+def test_hf_mapping_refuses_mla_and_deepseek_routing():
+    """Until DeepseekV3ForCausalLM export exists (issue 45), MLA and DeepSeek's MoE parts are
+    refused by name rather than written into a class that would compute other logits."""
+    from checkpoints_tools.mapping import hf_family
+    from models.config import get_flavor
+
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not implemented yet"):
+        hf_family(get_flavor("tiny-deepseek"))
+    for update, field in ((dict(moe_layer_freq=[0, 1, 1, 1]), "moe_layer_freq"),
+                          (dict(moe_router_topk_scaling_factor=2.5), "moe_router_topk_scaling_factor")):
+        with pytest.raises(ValueError, match=field):
+            hf_family(get_flavor("tiny-moe").model_copy(update=update))

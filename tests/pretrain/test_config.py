@@ -14,8 +14,8 @@ from tests.distributed import run_module
 
 
 def test_every_recipe_resolves_and_validates_for_its_intended_scale():
-    worlds = {"tiny-llama": 4, "tiny-moe": 4, "tiny-qwen3": 4, "tiny-qwen3-moe": 4, "llama3-8b": 8, "qwen3-8b": 8,
-              "qwen3-30b-a3b": 16, "llama3-70b": 64, "gpt3-175b": 1024, "mixtral-8x7b": 32}
+    worlds = {"tiny-llama": 4, "tiny-moe": 4, "tiny-qwen3": 4, "tiny-qwen3-moe": 4, "tiny-deepseek": 4, "llama3-8b": 8, "qwen3-8b": 8,
+              "qwen3-30b-a3b": 16, "deepseek-v3": 1024, "llama3-70b": 64, "gpt3-175b": 1024, "mixtral-8x7b": 32}
     for name in RECIPES:
         config = get_recipe(name)
         validate_for_world(config.model_copy(update={"data": config.data}), worlds[name])

@@ -289,3 +289,29 @@ def mup_setup(recipe: str, overrides: list[str]) -> dict:
     finally:
         run.writer.close()
         shutdown()
+
+
+def norm_grads(recipe: str, overrides: list[str]) -> dict:
+    """One training step; return every norm weight's gradient as the optimizer receives it (after
+    finalize_model_grads' TP reductions), by local name: a replicated weight's gradient must
+    equal one rank's on every TP rank (the parity runs' Adam hides a gradient scale error)."""
+    from pretrain.cli import resolve_config
+    from pretrain.loop import setup, train as train_loop
+    from pretrain.runtime import shutdown
+
+    config = resolve_config(recipe, None, overrides + ["schedule.train_steps=1"])
+    run = setup(config)
+    grads, optimizer_step = {}, run.state.optimizer.step
+
+    def step():
+        for model in (_gpt(chunk) for chunk in run.state.model):
+            grads.update({name: p.main_grad.flatten().tolist() for name, p in model.named_parameters() if "norm" in name})
+        return optimizer_step()
+
+    run.state.optimizer.step = step
+    try:
+        train_loop(run, run.start_step)
+        return grads
+    finally:
+        run.writer.close()
+        shutdown()
