@@ -120,8 +120,11 @@ def _check_emerging_layout(config: ExperimentConfig, dp_cp: int) -> None:
     opt = config.optimizer
     name, sharding = opt.name, data_parallel_sharding(config)
     if sharding in ("zero2", "zero3"):
+        # Tried with Lion (elementwise, so it could run on FSDP shards): bf16 fails at the first
+        # step ("'DTensor' object has no attribute 'main_grad'"); fp32 runs, but zero2's third loss
+        # was 8.3308 where one rank's is 8.3190 (scratch run, tiny-llama, 3 steps).
         raise ConfigError(f"optimizer.name={name} with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "
-                          f"0.19 runs its emerging optimizers with DDP only; use parallel.sharding=zero1 or none")
+                          f"0.19 runs {name.title()} with DDP only; use parallel.sharding=zero1 or none")
     if sharding == "zero1" and dp_cp > 1 and config.runtime.dtype == "fp32":
         # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers for bf16 only (fp32:
         # "'TensorParallelMuon' object has no attribute 'prepare_grads'" at the first step), and
