@@ -8,6 +8,9 @@ tuned LR from a small grid, on tiny-llama and the demo's real text (King James B
         --adamw-lrs 1.5e-3 3e-3 6e-3 --muon-lrs 3.125e-4 6.25e-4 1.25e-3 2.5e-3 5e-3 1e-2 2e-2 4e-2 \
         --plot launch/examples/muon_vs_adamw.png --json-out grid.json
     # (--resume reuses the runs already in grid.json: widening the grid runs only the new LRs)
+    # below the recipe's min_lr (3e-4): lower Muon's floor, its AdamW parameters' floor kept
+    python -m launch.optimizer_benchmark lr-grid --steps 150 --adamw-lrs 3e-3 \\
+        --muon-lrs 7.8125e-5 1.5625e-4 3.125e-4 6.25e-4 --muon-min-lr 3e-5 --muon-adamw-min-lr 3e-4
 
 Every run is `python -m pretrain --recipe tiny-llama` on one rank (torchrun, fp32) with the
 same seed and data order; extra `key=value` overrides apply to all. Muon's `optimizer.lr` is
@@ -35,14 +38,25 @@ from pretrain.config import ConfigError, validate_for_world, validate_inputs
 RECIPE = "tiny-llama"
 
 
-def optimizer_overrides(name: str, lr: float | None, muon_adamw_lr: float) -> list[str]:
-    """The overrides that select an optimizer (and its LR; None = the recipe's)."""
+def optimizer_overrides(name: str, lr: float | None, muon_adamw_lr: float, muon_min_lr: float | None = None,
+                        muon_adamw_min_lr: float | None = None) -> list[str]:
+    """The overrides that select an optimizer (and its LR; None = the recipe's). Muon runs may
+    lower their floor (`muon_min_lr`: optimizer.min_lr, which the recipe's 3e-4 would hold above
+    a small LR) while their AdamW parameters keep theirs (`muon_adamw_min_lr`)."""
     out = [f"optimizer.name={name}"]
     if lr is not None:
         out.append(f"optimizer.lr={lr:g}")
     if name == "muon":
         out.append(f"optimizer.muon.adamw_lr={muon_adamw_lr:g}")
+        out += [f"{key}={value:g}" for key, value in (("optimizer.min_lr", muon_min_lr),
+                                                      ("optimizer.muon.adamw_min_lr", muon_adamw_min_lr))
+                if value is not None]
     return out
+
+
+def _optimizer_overrides(args: argparse.Namespace, name: str, lr: float | None) -> list[str]:
+    return optimizer_overrides(name, lr, args.muon_adamw_lr, getattr(args, "muon_min_lr", None),
+                               getattr(args, "muon_adamw_min_lr", None))
 
 
 def step_time(args: argparse.Namespace) -> dict:
@@ -52,7 +66,7 @@ def step_time(args: argparse.Namespace) -> dict:
         for i in range(args.repeats):
             for name in per:
                 lr = args.muon_lr if name == "muon" else None
-                records = run_once(RECIPE, 1, args.steps, args.overrides + optimizer_overrides(name, lr, args.muon_adamw_lr),
+                records = run_once(RECIPE, 1, args.steps, args.overrides + _optimizer_overrides(args, name, lr),
                                    Path(tmp) / f"{name}{i}")
                 per[name].append(summarise(records, args.warmup)["step_time_s"])
                 print(f"repeat {i + 1}/{args.repeats} {name:>5}: median step {1000 * per[name][-1]:.1f} ms", flush=True)
@@ -79,8 +93,10 @@ def _earlier_runs(args: argparse.Namespace) -> list[dict]:
     if path is None or not path.exists():
         return []
     earlier = json.loads(path.read_text())
-    same = (earlier.get("steps"), earlier.get("overrides"), earlier.get("muon_adamw_lr")) == (
-        args.steps, args.overrides, args.muon_adamw_lr)
+    same = (earlier.get("steps"), earlier.get("overrides"), earlier.get("muon_adamw_lr"),
+            earlier.get("muon_min_lr"), earlier.get("muon_adamw_min_lr")) == (
+        args.steps, args.overrides, args.muon_adamw_lr, getattr(args, "muon_min_lr", None),
+        getattr(args, "muon_adamw_min_lr", None))
     return earlier["runs"] if same else []
 
 
@@ -94,7 +110,7 @@ def lr_grid(args: argparse.Namespace) -> dict:
                 if (name, lr) in earlier:
                     runs.append(earlier[(name, lr)])
                     continue
-                records = run_once(RECIPE, 1, args.steps, args.overrides + optimizer_overrides(name, lr, args.muon_adamw_lr),
+                records = run_once(RECIPE, 1, args.steps, args.overrides + _optimizer_overrides(args, name, lr),
                                    Path(tmp) / f"{name}-{lr:g}")
                 losses = [r["loss"] for r in records]
                 runs.append({"optimizer": name, "lr": lr, "losses": losses})
@@ -105,6 +121,7 @@ def lr_grid(args: argparse.Namespace) -> dict:
                       "steps_to_adamw_tail": _steps_to(r["losses"], tail_loss(best["adamw"]["losses"], args.tail))}
                for name, r in best.items()}
     return {"mode": "lr-grid", "steps": args.steps, "tail": args.tail, "muon_adamw_lr": args.muon_adamw_lr,
+            "muon_min_lr": args.muon_min_lr, "muon_adamw_min_lr": args.muon_adamw_min_lr,
             "overrides": args.overrides, "tuned": summary, "runs": runs}
 
 
@@ -151,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3])
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[3.125e-4, 1.25e-3, 5e-3, 2e-2])
     p.add_argument("--muon-adamw-lr", type=float, default=3e-3, help="LR of the parameters Muon leaves to AdamW")
+    p.add_argument("--muon-min-lr", type=float, help="Muon runs' optimizer.min_lr (default the recipe's)")
+    p.add_argument("--muon-adamw-min-lr", type=float,
+                   help="min LR of the parameters Muon leaves to AdamW (default optimizer.min_lr)")
     p.add_argument("--tail", type=positive_int, default=20, help="lr-grid: steps averaged to pick the tuned LR")
     p.add_argument("--plot", metavar="FILE.png", help="lr-grid: write the loss-vs-steps plot")
     p.add_argument("--json-out", metavar="FILE.json", help="also write the result here")
@@ -167,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "step-time" and args.steps <= args.warmup:
             raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
         lrs = [args.muon_lr, args.muon_adamw_lr, *args.adamw_lrs, *args.muon_lrs]
-        if any(not lr > 0 for lr in lrs):
-            raise ValueError(f"learning rates must be positive, got {lrs}")
+        if any(not lr > 0 for lr in lrs) or any(v is not None and v < 0 for v in (args.muon_min_lr, args.muon_adamw_min_lr)):
+            raise ValueError(f"learning rates must be positive (min LRs >= 0), got {lrs}, "
+                             f"min {args.muon_min_lr}, {args.muon_adamw_min_lr}")
         for name, lr in (("adamw", args.adamw_lrs[0]), ("muon", args.muon_lrs[0])):
-            config = resolve_config(RECIPE, None, args.overrides + optimizer_overrides(name, lr, args.muon_adamw_lr)
+            config = resolve_config(RECIPE, None, args.overrides + _optimizer_overrides(args, name, lr)
                                     + [f"schedule.train_steps={args.steps}"])
             validate_for_world(config, 1)
             validate_inputs(config)

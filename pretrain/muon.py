@@ -25,6 +25,10 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePred
 
 from pretrain.config import ExperimentConfig
 
+# Our optimizer.name values that Megatron-Core builds through its emerging-optimizer path
+# (`_get_megatron_emerging_optimizer`); Lion's registry entry is fixed by megatron_fixes/lion.py.
+EMERGING_OPTIMIZERS = ("muon", "lion")
+
 
 def is_adamw_param(param, name: str) -> bool:
     """True for the parameters Muon leaves to AdamW (see the module docstring)."""

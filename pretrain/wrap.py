@@ -32,7 +32,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from pretrain.config import ExperimentConfig, data_parallel_sharding
-from pretrain.muon import megatron_muon_fields, muon_param_overrides
+from pretrain.muon import EMERGING_OPTIMIZERS, megatron_muon_fields, muon_param_overrides
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ def _ddp_config(config: ExperimentConfig, sharding: str) -> DistributedDataParal
             **common, overlap_grad_reduce=opt.overlap_grad_reduce, overlap_param_gather=opt.overlap_param_gather,
             # Muon's updates need whole matrices: DDP all-reduces its gradients (the
             # distributed optimizer's reduce-scatter would leave each rank a flat slice).
-            use_distributed_optimizer=sharding == "zero1" and opt.name != "muon")
+            use_distributed_optimizer=sharding == "zero1" and opt.name not in EMERGING_OPTIMIZERS)
     return DistributedDataParallelConfig(
         **common,
         use_megatron_fsdp=True,
@@ -121,9 +121,14 @@ def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimi
     dtype = runtime.torch_dtype
     offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                    use_precision_aware_optimizer=True) if opt.cpu_offload else {}
-    muon = megatron_muon_fields(config) if opt.name == "muon" else dict(optimizer="adam")
+    fields = {"muon": megatron_muon_fields(config) if opt.name == "muon" else {},
+              "lion": dict(optimizer="lion", lion_beta1=opt.lion_beta1, lion_beta2=opt.lion_beta2),
+              "adamw": dict(optimizer="adam")}[opt.name]
+    # Muon and Lion are Megatron-Core's emerging optimizers: whole-tensor updates over
+    # all-reduced gradients, sharded (ZeRO-1) by the layer-wise distributed optimizer.
+    emerging = opt.name in EMERGING_OPTIMIZERS
     return MegatronOptimizerConfig(
-        **muon,
+        **fields,
         lr=opt.lr,
         min_lr=opt.min_lr,
         weight_decay=opt.weight_decay,
@@ -135,11 +140,11 @@ def _optimizer_config(config: ExperimentConfig, sharding: str) -> MegatronOptimi
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         initial_loss_scale=opt.initial_loss_scale,
-        use_distributed_optimizer=sharding != "none" and opt.name != "muon",
-        # Muon's ZeRO-1: Megatron-Core's LayerWiseDistributedOptimizer (each DP rank steps
-        # whole matrices, then the updated weights are all-gathered), over all-reduced grads.
+        use_distributed_optimizer=sharding != "none" and not emerging,
+        # Muon's (and Lion's) ZeRO-1: Megatron-Core's LayerWiseDistributedOptimizer (each DP rank
+        # steps whole matrices, then the updated weights are all-gathered), over all-reduced grads.
         # At DP 1 there is nothing to shard: plain Muon.
-        use_layer_wise_distributed_optimizer=sharding == "zero1" and opt.name == "muon"
+        use_layer_wise_distributed_optimizer=sharding == "zero1" and emerging
         and parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1,
         # The distributed optimizer shards FP8 weights differently per recipe (MXFP8 and
         # block-scaled tensors cannot be viewed flat) and must know the recipe.

@@ -323,7 +323,7 @@ def check_compatible(path: Path, config: ExperimentConfig) -> CheckpointMeta:
 
 
 def _check_optimizer_name(path: Path, meta: CheckpointMeta, config: ExperimentConfig) -> None:
-    """AdamW moments and Muon momentum are different state: loading one into the other failed
+    """AdamW moments, Muon and Lion momenta are different state: loading one into the other failed
     deep inside the load, or (Megatron-LM #6920) went through with the wrong state."""
     if meta.has_optimizer and meta.optimizer_name != config.optimizer.name:
         raise CheckpointError(

@@ -82,8 +82,14 @@ class MuonConfig(_Strict):
 
 class OptimizerConfig(_Strict):
     # adamw: every parameter on AdamW. muon: hidden matrices on Muon, the rest on AdamW (`muon`).
-    name: Literal["adamw", "muon"] = "adamw"
+    # lion: every parameter on Lion (emerging_optimizers' Lion through Megatron-Core; set a
+    # smaller lr than AdamW's, its update is sign(.) x lr per element).
+    name: Literal["adamw", "muon", "lion"] = "adamw"
     muon: MuonConfig = MuonConfig()
+    # Lion's betas, Megatron-Core's OptimizerConfig names and defaults: the update is
+    # sign(lion_beta1*m + (1-lion_beta1)*g), the momentum m = lion_beta2*m + (1-lion_beta2)*g.
+    lion_beta1: float = Field(default=0.95, ge=0, lt=1)
+    lion_beta2: float = Field(default=0.98, ge=0, lt=1)
     lr: float = Field(default=3e-4, gt=0)
     min_lr: float = Field(default=3e-5, ge=0)
     weight_decay: float = Field(default=0.1, ge=0)
@@ -108,7 +114,7 @@ class OptimizerConfig(_Strict):
     bucket_size: Optional[int] = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _muon_keys_need_muon(self) -> "OptimizerConfig":
+    def _optimizer_keys_need_their_optimizer(self) -> "OptimizerConfig":
         # Muon keys under optimizer.name=adamw would silently do nothing. Compared with the
         # defaults, not model_fields_set: a saved config lists every key.
         changed = [k for k in MuonConfig.model_fields if getattr(self.muon, k) != getattr(MuonConfig(), k)]
@@ -116,6 +122,10 @@ class OptimizerConfig(_Strict):
             key = changed[0]
             raise ValueError(f"optimizer.muon.{key} is set but optimizer.name={self.name}; "
                              "set optimizer.name=muon or remove it")
+        for key in ("lion_beta1", "lion_beta2"):
+            if self.name != "lion" and getattr(self, key) != OptimizerConfig.model_fields[key].default:
+                raise ValueError(f"optimizer.{key} is set but optimizer.name={self.name}; "
+                                 "set optimizer.name=lion or remove it")
         return self
 
 

@@ -114,10 +114,38 @@ def _check_sharding(config: ExperimentConfig) -> None:
                           "scaling; use runtime.dtype=bf16 (or fp32), or parallel.sharding=zero1")
 
 
+def _check_emerging_layout(config: ExperimentConfig, dp_cp: int) -> None:
+    """Muon and Lion are Megatron-Core 0.19.2's emerging optimizers (`_get_megatron_emerging_optimizer`):
+    what that path cannot run, refused in one line before any process group."""
+    opt = config.optimizer
+    name, sharding = opt.name, data_parallel_sharding(config)
+    if sharding in ("zero2", "zero3"):
+        # Tried with Lion (elementwise, so it could run on FSDP shards): bf16 fails at the first
+        # step ("'DTensor' object has no attribute 'main_grad'"); fp32 runs, but zero2's third loss
+        # was 8.3308 where one rank's is 8.3190 (scratch run, tiny-llama, 3 steps).
+        raise ConfigError(f"optimizer.name={name} with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "
+                          f"0.19 runs {name.title()} with DDP only; use parallel.sharding=zero1 or none")
+    if sharding == "zero1" and dp_cp > 1 and config.runtime.dtype == "fp32":
+        # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers for bf16 only (fp32:
+        # "'TensorParallelMuon' object has no attribute 'prepare_grads'" at the first step), and
+        # neither fp32 wrapper's state dict is one its sharded_state_dict can save.
+        raise ConfigError(f"optimizer.name={name} with the distributed optimizer at DP x CP={dp_cp} needs "
+                          "runtime.dtype=bf16 (Megatron-Core 0.19.2's layer-wise distributed optimizer cannot step "
+                          "or save fp32 parameters); or set optimizer.distributed=false")
+    if opt.cpu_offload:
+        raise ConfigError(f"optimizer.name={name} with optimizer.cpu_offload=true: Megatron-Core's offloaded "
+                          "optimizer is Adam only; remove optimizer.cpu_offload")
+    if config.runtime.dtype == "fp16":
+        raise ConfigError(f"optimizer.name={name} with runtime.dtype=fp16: Megatron-Core refuses emerging "
+                          "optimizers with fp16 loss scaling; use runtime.dtype=bf16 or fp32")
+
+
 def _check_muon(config: ExperimentConfig, dp_cp: int) -> None:
     """What Megatron-Core 0.19.2's Muon (optimizer/emerging_optimizers.py) cannot run, refused
     in one line before any process group."""
     opt = config.optimizer
+    if opt.name == "lion":
+        _check_emerging_layout(config, dp_cp)
     if opt.name != "muon":
         return
     if config.model.use_mup:
@@ -126,23 +154,8 @@ def _check_muon(config: ExperimentConfig, dp_cp: int) -> None:
         raise ConfigError("model.use_mup=true with optimizer.name=muon: Megatron-Core 0.19's muP LR rule skips "
                           "Muon-managed matrices (Muon's scale_mode sizes their updates), so muP would be half "
                           "applied; use optimizer.name=adamw with muP, or model.use_mup=false with Muon")
-    sharding, muon = data_parallel_sharding(config), opt.muon
-    if sharding in ("zero2", "zero3"):
-        raise ConfigError(f"optimizer.name=muon with parallel.sharding={sharding} (Megatron-FSDP): Megatron-Core "
-                          "0.19 runs Muon with DDP only; use parallel.sharding=zero1 or none")
-    if sharding == "zero1" and dp_cp > 1 and config.runtime.dtype == "fp32":
-        # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers for bf16 only (fp32:
-        # "'TensorParallelMuon' object has no attribute 'prepare_grads'" at the first step), and
-        # neither fp32 wrapper's state dict is one its sharded_state_dict can save.
-        raise ConfigError(f"optimizer.name=muon with the distributed optimizer at DP x CP={dp_cp} needs "
-                          "runtime.dtype=bf16 (Megatron-Core 0.19.2's layer-wise distributed optimizer cannot step "
-                          "or save fp32 parameters); or set optimizer.distributed=false")
-    if opt.cpu_offload:
-        raise ConfigError("optimizer.name=muon with optimizer.cpu_offload=true: Megatron-Core's offloaded "
-                          "optimizer is Adam only; remove optimizer.cpu_offload")
-    if config.runtime.dtype == "fp16":
-        raise ConfigError("optimizer.name=muon with runtime.dtype=fp16: Megatron-Core refuses emerging "
-                          "optimizers with fp16 loss scaling; use runtime.dtype=bf16 or fp32")
+    _check_emerging_layout(config, dp_cp)
+    muon = opt.muon
     lr = muon.adamw_lr if muon.adamw_lr is not None else opt.lr
     min_lr = muon.adamw_min_lr if muon.adamw_min_lr is not None else opt.min_lr
     if min_lr > lr:
@@ -265,9 +278,9 @@ def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.Mac
             problems.append("optimizer.cpu_offload=true moves optimizer state from GPU to host memory "
                             "(Megatron's HybridDeviceOptimizer: pinned memory, CUDA streams); this machine "
                             "has no GPU and the state is in host memory already: remove it")
-    if opt.name == "muon" and not muon_available():
-        problems.append("optimizer.name=muon needs NVIDIA's emerging-optimizers package (Megatron-Core 0.19 "
-                        "imports Muon from it), not installed here: pip install emerging-optimizers==0.3.0")
+    if opt.name in ("muon", "lion") and not muon_available():
+        problems.append(f"optimizer.name={opt.name} needs NVIDIA's emerging-optimizers package (Megatron-Core 0.19 "
+                        "imports Muon and Lion from it), not installed here: pip install emerging-optimizers==0.3.0")
     if problems:
         raise ConfigError("; ".join(problems))
     _check_observability(config, facts.has_gpu)

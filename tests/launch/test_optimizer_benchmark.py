@@ -50,3 +50,11 @@ def test_resume_reuses_runs_of_the_same_grid_only(tmp_path):
     assert _earlier_runs(args) == runs
     assert _earlier_runs(argparse.Namespace(**{**vars(args), "steps": 100})) == []  # another grid
     assert _earlier_runs(argparse.Namespace(**{**vars(args), "resume": False})) == []
+
+
+def test_muon_min_lr_lowers_muons_floor_and_keeps_its_adamw_floor():
+    config = resolve_config("tiny-llama", None, optimizer_overrides("muon", 7.8125e-5, 3e-3, 3e-5, 3e-4))
+    opt = config.optimizer
+    assert (opt.lr, opt.min_lr, opt.muon.adamw_lr, opt.muon.adamw_min_lr) == (7.8125e-5, 3e-5, 3e-3, 3e-4)
+    # AdamW runs keep the recipe's floor: the Muon-only keys are not passed to them
+    assert optimizer_overrides("adamw", 3e-3, 3e-3, 3e-5, 3e-4) == ["optimizer.name=adamw", "optimizer.lr=0.003"]
