@@ -326,14 +326,14 @@ def _stop(layout: Layout) -> list[str]:
     stopped = []
     daemons = [(f"slurmd-{node_name(i)}", _slurmd_pid_file(layout, i)) for i in layout.node_indices()]
     daemons += [("slurmctld", paths.pid_file("slurmctld"))]
-    alive = []
+    running = []
     for name, pid_file in daemons:
         pid = read_pid(pid_file)
         if pid is not None and alive(pid):
-            alive.append(pid)
+            running.append(pid)
             stopped.append(f"{name} ({pid})")
         pid_file.unlink(missing_ok=True)
-    _terminate(*alive)  # all at once: one by one, 14 slurmds took 27 s
+    _terminate(*running)  # all at once: one by one, 14 slurmds took 27 s
     for index in range(layout.nodes + 1):
         left = namespace_pids(layout, index)
         if left:
