@@ -65,8 +65,11 @@ class Candidate:
     # the dense formula, as in metrics.jsonl.
     attention_fraction: float = 1.0
     # optimizer.name=muon: its section (launch.planner.muon models its state and
-    # Newton-Schulz); None = AdamW for every parameter.
+    # Newton-Schulz); None = AdamW for every parameter (or Lion, below).
     muon: Optional[MuonConfig] = None
+    # optimizer.name=lion: one fp32 momentum for every parameter, stepped (and sharded at ZeRO-1)
+    # the way Muon is (launch.planner.muon.lion_state_bytes).
+    lion: bool = False
 
     @classmethod
     def from_config(cls, config: ExperimentConfig, world_size: int, *, flash_attention: bool | None = None,
@@ -88,6 +91,7 @@ class Candidate:
             attention_fraction=(packed_attention_fraction(document_length, sched.seq_length)
                                 if config.data.reset_attention_mask and document_length else 1.0),
             muon=config.optimizer.muon if config.optimizer.name == "muon" else None,
+            lion=config.optimizer.name == "lion",
         )
 
     def apply_to(self, config: ExperimentConfig) -> ExperimentConfig:
@@ -219,7 +223,7 @@ class Candidate:
 
     @property
     def optimizer_name(self) -> str:
-        return "muon" if self.muon else "adamw"
+        return "muon" if self.muon else "lion" if self.lion else "adamw"
 
     @property
     def param_bytes(self) -> int:

@@ -165,8 +165,8 @@ def main_param_bytes(c: Candidate, stage: int) -> float:
     megatron_fsdp_main_params_dtype=fp32). fp32 parameters need none (the optimizer updates
     them in place; training wraps ZeRO-2/3 with megatron_fsdp_main_params_dtype=None). 0 on the
     GPU with CPU offload (host_bytes). Muon: launch.planner.muon.main_param_bytes (its
-    layer-wise optimizer deals whole parameters to DP ranks)."""
-    if c.muon:
+    layer-wise optimizer deals whole parameters to DP ranks), and Lion's, which runs the same way."""
+    if c.muon or c.lion:
         return _muon.main_param_bytes(c, stage)
     if c.param_bytes == 4 or c.offload:
         return 0.0
@@ -180,9 +180,12 @@ def optimizer_state_bytes(c: Candidate, stage: int, slices: tuple[int, int] = (0
     + P_expert / expert-DP); ZeRO-2/3: 8 x the parameter elements in the rank's slices (the
     moments are DTensors over the parameters, not the padding; `slices`: the rank's index in
     its dense / expert shard group, default the fullest). 0 on the GPU with CPU offload.
-    Muon: 4 bytes (momentum) per Muon element + 8 per AdamW element (launch.planner.muon)."""
+    Muon: 4 bytes (momentum) per Muon element + 8 per AdamW element; Lion: 4 bytes per element
+    (launch.planner.muon)."""
     if c.muon:
         return _muon.optimizer_state_bytes(c, stage)
+    if c.lion:
+        return _muon.lion_state_bytes(c, stage)
     if c.offload:
         return 0.0
     if c.fsdp:

@@ -25,6 +25,10 @@ orthogonalized apart. TP modes (`tp_mode`):
                4 m^2 n/t + 2 m^3 FLOPs, 2 (t-1)/t x e m^2 bytes per iteration (e = 2 in bf16);
   blockwise    NS on the local shard alone: shard FLOPs, no communication.
 Under the layer-wise optimizer each DP rank orthogonalizes only the matrices dealt to it.
+
+Lion (optimizer.name=lion) runs the same way (pretrain/megatron_fixes/lion.py: emerging_optimizers'
+Lion on every parameter, DDP, the layer-wise optimizer at ZeRO-1): one fp32 momentum (`exp_avg`)
+per element of every parameter, no Newton-Schulz: `lion_state_bytes`.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ def _qkv(c: Candidate) -> Param:
     d, h = m.head_dim, m.hidden_size
     blocks = (m.num_attention_heads * d, m.query_groups * d, m.query_groups * d)
     fused = _matrix(sum(blocks), h, 0, t)
-    return dataclasses.replace(fused, blocks=blocks) if c.muon.split_qkv else fused
+    return dataclasses.replace(fused, blocks=blocks) if c.muon is not None and c.muon.split_qkv else fused
 
 
 def layer_params_list(c: Candidate) -> list[Param]:
@@ -186,6 +190,12 @@ def optimizer_state_bytes(c: Candidate, stage: int) -> float:
     """Muon's momentum + AdamW's moments on the fullest rank: max over ranks of
     4 x Muon elements + 8 x AdamW elements."""
     return max(MUON_STATE_BYTES * s.muon + ADAM_STATE_BYTES * s.adamw for s in rank_shares(c, stage))
+
+
+def lion_state_bytes(c: Candidate, stage: int) -> float:
+    """Lion's momentum on the fullest rank: 4 bytes x every element that rank steps (whole
+    parameters dealt as for Muon under the layer-wise optimizer, all of them otherwise)."""
+    return max(MUON_STATE_BYTES * s.total for s in rank_shares(c, stage))
 
 
 # --------------------------------------------------------------------------------------

@@ -304,7 +304,7 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     for count, d in ((worst.dense, c.dense_shard), (worst.expert, c.expert_shard)):
         if d == 1 or count == 0:
             continue
-        if c.muon and _muon.layer_wise(c):
+        if (c.muon or c.lion) and _muon.layer_wise(c):
             # Megatron's layer-wise optimizer: DDP all-reduces the grads, then the updated
             # parameters are all-gathered.
             total += (2 * c.grad_bytes + c.param_bytes) * (d - 1) / d * count / bw

@@ -5,7 +5,8 @@ bytes allocated through `pretrain.wrap.wrap_for_training` within 1% for every la
 the matrix: TP, PP, VPP, DP, EP, distributed optimizer on/off, ZeRO-2/3 and HSDP
 (Megatron-FSDP's padded buffers), fp32 and bf16, tied embeddings, biases, MoE; and for
 optimizer.name=muon (Muon's momentum + AdamW's moments, unsharded and under Megatron-Core's
-layer-wise distributed optimizer at DP2: launch.planner.muon).
+layer-wise distributed optimizer at DP2: launch.planner.muon) and optimizer.name=lion (one
+momentum per element, the same wrapping).
 
 Activations: the bytes autograd saves in one forward pass, where the CPU implementation
 matches the published analysis' assumptions (GPT style: MHA, GeLU, LayerNorm; fp32, so no
@@ -58,12 +59,17 @@ STATIC = {  # world size -> (flavor, overrides)
     ],
 }
 MUON = "optimizer.name=muon"
+LION = "optimizer.name=lion"
 MUON_STATIC = [  # world size 2; needs emerging-optimizers (Megatron-Core's Muon)
     ("tiny-llama", [MUON, TP2, FP32]),  # DP1: unsharded, QKV split, TP shards
     ("tiny-llama", [MUON, BF16]),  # DP2: layer-wise optimizer deals whole parameters
     ("tiny-gpt", [MUON, "parallel.pipeline_parallel=2", BF16]),  # biases, LayerNorm, learned positions
     ("tiny-moe", [MUON, "parallel.expert_parallel=2", BF16]),  # router on AdamW, experts on Muon
     ("tiny-llama", [MUON, FP32, NO_DISTOPT]),  # DP2 unsharded (fp32 needs it)
+    # optimizer.name=lion: one momentum for every parameter, the same wrapping as Muon's.
+    ("tiny-llama", [LION, TP2, FP32]),  # DP1: unsharded
+    ("tiny-llama", [LION, BF16]),  # DP2: layer-wise optimizer
+    ("tiny-moe", [LION, "parallel.expert_parallel=2", BF16]),  # experts dealt over expert-DP
 ]
 ACT_COMMON = ["schedule.seq_length=256", "schedule.micro_batch_size=2", "schedule.global_batch_size=4", FP32]
 ACTIVATIONS = [  # tiny-gpt at world size 2 (DP2 has the activations of one rank alone)

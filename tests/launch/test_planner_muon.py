@@ -67,6 +67,22 @@ def test_llama_state_is_one_momentum_for_hidden_matrices():
     assert memory_on_stage(c, 0).main_params == 4 * total  # bf16: fp32 main weights of everything
 
 
+def test_lion_state_is_one_momentum_for_every_element():
+    """optimizer.name=lion: 4 bytes per element of every parameter (half AdamW's 8), fp32 main
+    weights of everything in bf16; at ZeRO-1 over DP2 the layer-wise deal's fullest rank."""
+    base = apply_overrides(get_recipe("llama3-8b"), overrides=["optimizer.name=lion", "parallel.tensor_parallel=8"])
+    c = dataclasses.replace(Candidate.from_config(base, 8), zero=0)
+    assert c.lion and c.muon is None and c.optimizer_name == "lion"
+    total = params_on_rank(c, 0).total
+    adamw = memory_on_stage(dataclasses.replace(c, lion=False), 0)
+    assert memory_on_stage(c, 0).optimizer_states == 4 * total == adamw.optimizer_states / 2
+    assert memory_on_stage(c, 0).main_params == 4 * total
+    sharded = dataclasses.replace(Candidate.from_config(base, 16), zero=1)
+    shares = muon.rank_shares(sharded, 0)
+    assert len(shares) == 2 and sum(s.total for s in shares) == total
+    assert memory_on_stage(sharded, 0).optimizer_states == 4 * max(s.total for s in shares) < 4 * total
+
+
 def test_ping_pong_deals_like_megatron():
     """Megatron-Core 0.19's docstring example: 4 ranks, p0..p9 sorted -> [[p0,p7,p8],[p1,p6,p9],
     [p2,p5],[p3,p4]]."""
