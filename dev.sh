@@ -102,7 +102,9 @@ case "${1:-}" in
         shift
         # setup installed the real tokenizers; their absence (or Debian text's) is a failure.
         export PRETRAIN_REQUIRE_REAL_TEXT=${PRETRAIN_REQUIRE_REAL_TEXT:-1}
-        exec "$VENV/bin/python" -m pytest -q "$@"
+        # Two lanes (tests/conftest.py's WAITING_LANE): the waiting modules beside the training
+        # ones. PRETRAIN_TEST_WORKERS=0 runs everything in one process, in order.
+        exec "$VENV/bin/python" -m pytest -q -n "${PRETRAIN_TEST_WORKERS:-2}" --dist loadscope "$@"
         ;;
     gpu-test)
         shift

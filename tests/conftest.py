@@ -26,12 +26,47 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-seed", type=int, default=2026, help="the fuzzer's seed")
 
 
+# `bash dev.sh test` runs the suite in two lanes (pytest-xdist, `-n 2 --dist loadscope` with the
+# scheduler below): these modules in one, everything else in the other. They spend most of
+# their time waiting (Slurm scheduling, daemons, sleeps, one process at a time:
+# tests.suite_profile's idle column), so the other lane's training uses the core they leave.
+# The multi-node cluster tests are all in this lane, one at a time, as is everything that uses
+# the shared Slurm cluster; the modules sharing a session fixture (tests/checkpoints_tools'
+# trained models) stay in one lane.
+WAITING_LANE = frozenset({
+    "tests/launch/test_slurm_jobs.py", "tests/launch/test_multinode.py", "tests/launch/test_multinode_faults.py",
+    "tests/launch/test_multinode_elastic.py", "tests/data_pipeline/test_slurm_preprocess.py",
+    "tests/launch/test_sweep.py", "tests/launch/test_scaling_pipeline.py", "tests/pretrain/test_watchdog.py",
+    "tests/pretrain/test_observe.py", "tests/pretrain/test_signals.py", "tests/launch/test_local.py",
+})
+
+
+def pytest_configure(config):
+    missing = sorted(path for path in WAITING_LANE if not (REPO / path).is_file())
+    if missing:  # a renamed module would silently change lanes
+        raise pytest.UsageError(f"tests/conftest.py's WAITING_LANE names missing modules: {', '.join(missing)}")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope with two scopes: the waiting lane and the rest (pytest 9.2's node ids
+    no longer carry xdist_group's suffix, so `--dist loadgroup` cannot express this)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "waiting" if nodeid.split("::")[0] in WAITING_LANE else "training"
+
+    return LaneScheduling(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
     vllm = [item for item in items if item.path.name == VLLM_TESTS]
     if not vllm or config.option.collectonly:
         return
     items[:] = [item for item in items if item.path.name != VLLM_TESTS] + vllm
-    _start_vllm_env()
+    # Under xdist every worker collects every test: one of them starts the installer.
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
+        _start_vllm_env()
 
 
 def _start_vllm_env() -> None:
