@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoints_tools.dcp_io import CheckpointReader
-from tests.compare import assert_steps_close, assert_steps_equal
+from tests.compare import assert_steps_equal
 from tests.distributed import run_ranks
 from tests.pretrain.test_muon import needs_emerging_optimizers
-from tests.pretrain.workers import logged_grad_norms, logged_losses
+from tests.pretrain.layout_parity import assert_run_matches, train_to_checkpoint
+from tests.pretrain.workers import logged_losses
 
 pytestmark = [pytest.mark.distributed, needs_emerging_optimizers]
 
@@ -43,32 +43,17 @@ def _losses(nproc: int, extra: list[str], run_dir) -> list[float]:
     return losses
 
 
-def _train(nproc: int, extra: list[str], run_dir) -> tuple[list[float], list[float], dict]:
-    """Per-step losses and grad norms, and every weight of the step-STEPS checkpoint (global
-    tensors, whatever the layout)."""
-    results = _run(nproc, extra + [f"checkpoint.save_interval={STEPS}", f"checkpoint.dir={run_dir / 'ckpt'}",
-                                   "checkpoint.resume=none"], run_dir)
-    reader = CheckpointReader(run_dir / "ckpt" / f"step_{STEPS:08d}")
-    weights = {k: reader.read(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
-    return logged_losses(results), logged_grad_norms(results), weights
-
-
 @pytest.fixture(scope="module")
 def one_rank(module_tmp_factory):
-    return _train(1, ["optimizer.distributed=false"], module_tmp_factory.mktemp("one"))
+    return train_to_checkpoint(1, "tiny-llama", BASE + ["optimizer.distributed=false"], module_tmp_factory.mktemp("one"),
+                               STEPS)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_lion_layout_matches_one_rank(name, one_rank, tmp_path):
-    losses, norms, weights = _train(2, LAYOUTS[name], tmp_path)
-    want_losses, want_norms, want_weights = one_rank
-    assert len(losses) == len(norms) == STEPS
-    worst = assert_steps_close(losses, want_losses, rtol=1e-5, what=f"Lion {name} loss vs one rank")
-    worst_norm = assert_steps_close(norms, want_norms, rtol=1e-5, what=f"Lion {name} grad norm vs one rank")
-    assert weights.keys() == want_weights.keys() and any("decoder.layers" in k for k in weights)
-    worst_weight = max((weights[k] - want_weights[k]).abs().max().item() for k in weights)
-    print(f"{name}: worst rel diff loss {worst:.2e}, grad norm {worst_norm:.2e}; weights {worst_weight:.2e}")
-    assert worst_weight <= 1e-5, f"Lion {name}: final weights differ by up to {worst_weight:.2e}"
+    got = train_to_checkpoint(2, "tiny-llama", BASE + LAYOUTS[name], tmp_path, STEPS)
+    print(assert_run_matches(got, one_rank, f"Lion {name}"))
+    losses = got[0]
     assert losses[-1] < losses[0]
 
 
