@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 # vLLM's environment (`bash dev.sh vllm-env`, ~3.5 GB of wheels) takes ~150 s to create on a
 # fresh machine, nearly all of it waiting on downloads and disk. Its tests run last and the
 # environment is created in the background from the start, so that wait overlaps the suite.
-VLLM_TESTS = "test_verify_vllm.py"
+# test_docs_blocks.py runs the README's serving block, whose last steps use it too.
+VLLM_TESTS = ("test_verify_vllm.py", "test_docs_blocks.py")
 _background: dict[str, object] = {}
 
 
@@ -27,10 +28,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    vllm = [item for item in items if item.path.name == VLLM_TESTS]
+    vllm = [item for item in items if item.path.name in VLLM_TESTS]
     if not vllm or config.option.collectonly:
         return
-    items[:] = [item for item in items if item.path.name != VLLM_TESTS] + vllm
+    items[:] = [item for item in items if item.path.name not in VLLM_TESTS] + vllm
     _start_vllm_env()
 
 
