@@ -90,7 +90,8 @@ def served(module_tmp_factory) -> tuple[Path, subprocess.CompletedProcess]:
     script = block.replace("checkpoint.on_newer=move_aside\n", f"checkpoint.on_newer=move_aside {SHORT_TRAINING}\n")
     assert commands(script)[0] == f"{step1} {SHORT_TRAINING}"
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+               PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
+               PS4="+ [$SECONDS s] ")  # bash -x: each command with the seconds since the start
     run = subprocess.run(["bash", "-euxo", "pipefail", "-c", script], cwd=work, env=env,
                          capture_output=True, text=True, timeout=1500)
     return work, run
