@@ -6,7 +6,7 @@ training of step 1 stops after 4 steps (`schedule.train_steps=4` appended) inste
 user's checkout has them, so `bash dev.sh vllm-env` and `.venv-vllm/bin/python` resolve as
 written.
 
-    PYTHONPATH=$PWD python -m pytest tests/test_docs_blocks.py -q      # ~3 min on 2 cores
+    PYTHONPATH=$PWD python -m pytest tests/test_docs_blocks.py -q      # 4-8 min on 2 shared cores
 """
 
 from __future__ import annotations
