@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 # vLLM's environment (`bash dev.sh vllm-env`, ~3.5 GB of wheels) takes ~150 s to create on a
 # fresh machine, nearly all of it waiting on downloads and disk. Its tests run last and the
 # environment is created in the background from the start, so that wait overlaps the suite.
-VLLM_TESTS = "test_verify_vllm.py"
+# test_docs_blocks.py runs the README's serving block, whose last steps use it too.
+VLLM_TESTS = ("test_verify_vllm.py", "test_docs_blocks.py")
 _background: dict[str, object] = {}
 
 
@@ -38,6 +39,7 @@ WAITING_LANE = frozenset({
     "tests/launch/test_multinode_elastic.py", "tests/data_pipeline/test_slurm_preprocess.py",
     "tests/launch/test_sweep.py", "tests/launch/test_scaling_pipeline.py", "tests/pretrain/test_watchdog.py",
     "tests/pretrain/test_observe.py", "tests/pretrain/test_signals.py", "tests/launch/test_local.py",
+    "tests/test_docs_blocks.py",
 })
 
 
@@ -60,10 +62,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    vllm = [item for item in items if item.path.name == VLLM_TESTS]
+    vllm = [item for item in items if item.path.name in VLLM_TESTS]
     if not vllm or config.option.collectonly:
         return
-    items[:] = [item for item in items if item.path.name != VLLM_TESTS] + vllm
+    items[:] = [item for item in items if item.path.name not in VLLM_TESTS] + vllm
     # Under xdist every worker collects every test: one of them starts the installer.
     if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
         _start_vllm_env()

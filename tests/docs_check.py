@@ -142,10 +142,12 @@ def problems(paths: list[Path]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    found = problems([Path(a) for a in argv])
+    paths = [Path(a) for a in argv]
+    found = problems(paths)
     for line in found:
         print(line)
-    print(f"{len(found)} problem(s) in the commands of {', '.join(argv)}")
+    checked = sum(len(commands(path)) for path in paths)
+    print(f"{len(found)} problem(s) in {checked} commands of {len(paths)} files: {', '.join(argv)}")
     return 1 if found else 0
 
 
