@@ -315,6 +315,21 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     return total
 
 
+def dp_exposed_s(dp_s: float, overlap: float, *, window_s: float) -> float:
+    """The DP synchronisation left exposed: `overlap` of it hidden, but never more than the
+    compute it can hide behind. Megatron-Core's schedules run every microbatch but the last
+    under DDP's no_sync (pipeline_parallel/schedules.py: forward_backward_no_pipelining's
+    `for i in range(num_microbatches - 1)` inside no_sync_func; the 1F1B schedules call
+    enable_grad_sync only at each model chunk's last microbatch), so overlap_grad_reduce's
+    reduce-scatters start in the last microbatch's backward; overlap_param_gather's
+    all-gathers run in the next step's first forward. Together: one microbatch's time on the
+    rank plus its pipeline idle (the warm-up wait before its first forward, the cool-down wait
+    after its last backward, the bubble); the rest waits at the optimizer step. At PP1 with
+    many microbatches this is one microbatch of 30-70: an 0.8 overlap there hid several
+    times the compute there is."""
+    return max(dp_s * (1 - overlap), dp_s - window_s)
+
+
 def zero_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     """ZeRO-2/3 per microbatch (Megatron-FSDP reduce-scatters after every backward, not only
     the last), inside the shard group of s = DP x CP / r ranks, for the P parameters of the
@@ -380,7 +395,7 @@ def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = Throug
     bubble = t_mb * (c.pp - 1) / c.vpp
     comm = {k: v * m for k, v in exposed.items()}
     comm["pp"] = pp_comm_s(c, device, opts) * (1 - pp_overlap(c, opts))
-    comm["dp"] = dp_comm_s(c, device, opts) * (1 - opts.dp_overlap)
+    comm["dp"] = dp_exposed_s(dp_comm_s(c, device, opts), opts.dp_overlap, window_s=t_mb + bubble)
     comm["offload"] = offload_s(c, device, opts) * (1 - opts.offload_overlap)
     if c.muon:  # AdamW plans keep their JSON keys
         comm["muon"] = muon_comm_s(c, device, opts)

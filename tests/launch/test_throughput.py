@@ -205,3 +205,27 @@ def test_moe_element_wise_work_counts_the_dispatch():
     assert moe_dispatch_bytes_per_token(cand(moe)) == 12 * 4 + 7 * 2 * 8
     assert moe_dispatch_bytes_per_token(cand()) == 0
     assert elementwise_bytes_per_token(cand(moe)) - elementwise_bytes_per_token(cand()) == 12 * 4 + 7 * 2 * 8
+
+
+def test_dp_overlap_hides_at_most_one_microbatch_and_the_pipeline_idle():
+    """Megatron-Core syncs gradients only in the last microbatch's backward (no_sync before) and
+    gathers parameters in the next step's first forward: however large --overlap dp is, no more
+    than one microbatch's time plus the rank's pipeline idle (the bubble) is hidden."""
+    slow_link = dataclasses.replace(DEV, intra_node_gbps=1e-6)  # DP sync far beyond the compute
+    hide_all = dataclasses.replace(IDEAL, dp_overlap=1.0)
+    dp2 = cand(world=2, gbs=16)  # 4 microbatches of 2 on each of 2 DP ranks, no pipeline
+    t_mb = stage_compute_s(dp2, 0, slow_link, IDEAL)
+    est = estimate_step(dp2, slow_link, hide_all)
+    assert est.comm_s["dp"] == pytest.approx(dp_comm_s(dp2, slow_link, IDEAL) - t_mb)
+    # With PP2 the warm-up and cool-down idle (the bubble, t_mb x (p-1)/v) hides more.
+    pp2 = cand(world=4, gbs=16, pipeline_parallel=2)
+    t_mb = max(stage_compute_s(pp2, s, slow_link, IDEAL) for s in range(2))
+    est = estimate_step(pp2, slow_link, hide_all)
+    assert est.bubble_s == pytest.approx(t_mb)
+    assert est.comm_s["dp"] == pytest.approx(dp_comm_s(pp2, slow_link, IDEAL) - 2 * t_mb)
+    # On a fast link the overlap fraction is what limits: half hidden at 0.5.
+    fast_link = dataclasses.replace(DEV, intra_node_gbps=1e3)
+    dp_s = dp_comm_s(dp2, fast_link, IDEAL)
+    assert dp_s < stage_compute_s(dp2, 0, fast_link, IDEAL)  # the window is not the limit here
+    est = estimate_step(dp2, fast_link, dataclasses.replace(IDEAL, dp_overlap=0.5))
+    assert est.comm_s["dp"] == pytest.approx(0.5 * dp_s)
