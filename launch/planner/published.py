@@ -190,6 +190,17 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _rank_text(r: dict, recipe_settings: bool) -> str:
+    """'RANK of N (X% behind the best)': how far behind, since hundreds of layouts can sit
+    within the model's +-15% accuracy of the best."""
+    ranked = ranked_for_row(r, recipe_settings=recipe_settings)
+    rank = next((i + 1 for i, e in enumerate(ranked) if is_published_layout(e, r)), 0)
+    if not rank:
+        return f"not fitting of {len(ranked)}"
+    behind = ranked[rank - 1].estimate.step_s / ranked[0].estimate.step_s - 1
+    return f"{rank} of {len(ranked)} ({behind:+.1%} step time vs the best)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.planner.published", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,9 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rank:
         for r in (r for r in rows if r.get("fastest")):
-            recipe, ours = (rank_of_published_layout(r, recipe_settings=s) for s in (True, False))
-            print(f"{r['source']} {r['model']} {r['gpus']} GPUs gbs {r['gbs']}: recipe's settings {recipe[0]} of "
-                  f"{recipe[1]}, ours {ours[0] or 'not fitting'} of {ours[1]}")
+            print(f"{r['source']} {r['model']} {r['gpus']} GPUs gbs {r['gbs']}: recipe's settings "
+                  f"{_rank_text(r, True)}, ours {_rank_text(r, False)}")
         return 0
     fitted = calibration_rows(rows)
     eff = fit_efficiencies(fitted) if args.fit else DEFAULT_EFFICIENCIES
