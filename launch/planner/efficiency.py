@@ -36,9 +36,9 @@ class Efficiencies:
     # table "Planner vs published runs". Sources: Megatron-Bridge docs/performance-summary.md
     # (25.09, 25.11, 26.02 DGX-H100 tables) and README "Measured on one H100 80GB SXM".
     # Fitted: ours-h100 BF16 rows (46.3% / 43.9% MFU, README) with the FP8 rows' BF16 logits.
-    gemm_bf16: float = 0.484
+    gemm_bf16: float = 0.483
     # Fitted: Megatron-Bridge's 8 DGX-H100 FP8-CS rows (8B, 70B, 405B).
-    gemm_fp8: float = 0.491
+    gemm_fp8: float = 0.494
     # Fitted: ours-h100 FP8 hybrid row (delayed scaling, TE 2.11: 1.16x BF16) - one row.
     gemm_fp8_delayed: float = 0.307
     # Assumed, not fitted (see the module docstring): fused attention below large GEMMs.

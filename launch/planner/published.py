@@ -6,6 +6,7 @@ are reported, not fitted: `calibration_rows`).
     python -m launch.planner.published            # the table (markdown), as in the README
     python -m launch.planner.published --fit      # refit the efficiencies and print them
     python -m launch.planner.published --rank     # where the planner ranks each `fastest` layout
+    python -m launch.planner.published --rank --top 10   # + the 10 fastest, each with its breakdown
 
 Rows are built as `Candidate`s directly, not through the training's validation: the 405B
 layout needs Megatron-Core's embedding/loss pipeline split, which our training does not offer
@@ -95,13 +96,12 @@ def fit_efficiencies(rows: list[dict], start: Efficiencies = DEFAULT_EFFICIENCIE
     return dataclasses.replace(start, **dict(zip(FITTED_KINDS, (round(v, 3) for v in result.x), strict=True)))
 
 
-def rank_of_published_layout(r: dict, eff: Efficiencies = DEFAULT_EFFICIENCIES, *, recipe_settings: bool = True
-                              ) -> tuple[int, int]:
-    """(rank, layouts that fit) of row `r`'s layout in the planner's search for its model, GPU
-    count, precision, sequence, global batch and micro batch; every layout estimated with the
-    recipe's settings (its overlaps, `row_options`, and its gradient-reduction precision), or
-    with `recipe_settings=False` with our training's (the planner's defaults: no TP, DP or PP
-    overlap, fp32 gradient reduction). Rank 0 when the layout is not among those that fit."""
+def ranked_for_row(r: dict, eff: Efficiencies = DEFAULT_EFFICIENCIES, *, recipe_settings: bool = True) -> list:
+    """The planner's search for row `r`'s model, GPU count, precision, sequence, global batch
+    and micro batch: every layout that fits, fastest first (search._rank_key); each estimated
+    with the recipe's settings (its overlaps, `row_options`, and its gradient-reduction
+    precision), or with `recipe_settings=False` with our training's (the planner's defaults:
+    no TP, DP or PP overlap, fp32 gradient reduction)."""
     from launch.planner.memory import MemoryOptions
     from launch.planner.search import SearchSpace, _rank_key, enumerate_candidates, evaluate
     from pretrain.config import apply_overrides
@@ -117,14 +117,48 @@ def rank_of_published_layout(r: dict, eff: Efficiencies = DEFAULT_EFFICIENCIES, 
     grad_fp32 = r["grad_fp32"] if recipe_settings else True
     evaluated = [evaluate(dataclasses.replace(c, grad_reduce_in_fp32=grad_fp32), device, MemoryOptions(), opts)
                  for c in candidates]
-    ranked = sorted((e for e in evaluated if e.fits), key=_rank_key)
-    want = row_candidate(r)
+    return sorted((e for e in evaluated if e.fits), key=_rank_key)
+
+
+def is_published_layout(e, r: dict) -> bool:
+    """Whether evaluation `e` is row `r`'s layout (with its ZeRO stage and recompute, no HSDP
+    nor offload)."""
+    want, c = row_candidate(r), e.candidate
+    return (c.layout == want.layout and (c.zero, c.recompute, c.hsdp_replicas, c.offload)
+            == (want.zero, want.recompute, 1, False))
+
+
+def rank_of_published_layout(r: dict, eff: Efficiencies = DEFAULT_EFFICIENCIES, *, recipe_settings: bool = True
+                              ) -> tuple[int, int]:
+    """(rank, layouts that fit) of row `r`'s layout in `ranked_for_row`; rank 0 when the layout
+    is not among those that fit."""
+    ranked = ranked_for_row(r, eff, recipe_settings=recipe_settings)
+    rank = next((i + 1 for i, e in enumerate(ranked) if is_published_layout(e, r)), 0)
+    return rank, len(ranked)
+
+
+def breakdown(e) -> str:
+    """One line per evaluated layout: the layout, step time and its parts (seconds per step:
+    compute incl. recompute, the bubble, exposed communication by kind) and memory."""
+    c, s = e.candidate, e.estimate
+    name = (f"TP{c.tp} PP{c.pp} VPP{c.vpp} CP{c.cp} DP{c.dp}"
+            + (" +emb/loss-split" if c.layout.account_for_embedding_in_pipeline_split else "")
+            + f" zero{c.zero} recompute={c.recompute}" + (" offload" if c.offload else "")
+            + (f" hsdp{c.hsdp_replicas}" if c.hsdp_replicas > 1 else ""))
+    comm = " ".join(f"{k} {v:.2f}" for k, v in s.comm_s.items() if v >= 0.005)
+    return (f"{name:52s} step {s.step_s:7.3f} s = compute {s.compute_s:.2f} + bubble {s.bubble_s:.2f} + "
+            f"exposed [{comm or '-'}]; {e.memory.total / GIB:.1f} GiB")
+
+
+def print_top(r: dict, top: int, *, recipe_settings: bool) -> None:
+    """The `top` fastest layouts for row `r` with their breakdown, then the published layout's."""
+    ranked = ranked_for_row(r, recipe_settings=recipe_settings)
+    print(f"{r['source']} {r['model']} {r['gpus']} GPUs gbs {r['gbs']}, "
+          f"{'recipe' if recipe_settings else 'our training'}'s settings ({len(ranked)} fit):")
     for i, e in enumerate(ranked):
-        c = e.candidate
-        if (c.layout == want.layout and (c.zero, c.recompute, c.hsdp_replicas, c.offload)
-                == (want.zero, want.recompute, 1, False)):
-            return i + 1, len(ranked)
-    return 0, len(ranked)
+        mark = "*" if is_published_layout(e, r) else " "
+        if i < top or mark == "*":
+            print(f"{mark}{i + 1:4d} {breakdown(e)}")
 
 
 def table_rows(rows: list[dict], eff: Efficiencies = DEFAULT_EFFICIENCIES) -> list[dict]:
@@ -156,19 +190,41 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _rank_text(r: dict, recipe_settings: bool) -> str:
+    """'RANK of N (X% behind the best)': how far behind, since hundreds of layouts can sit
+    within the model's +-15% accuracy of the best."""
+    ranked = ranked_for_row(r, recipe_settings=recipe_settings)
+    rank = next((i + 1 for i, e in enumerate(ranked) if is_published_layout(e, r)), 0)
+    if not rank:
+        return f"not fitting of {len(ranked)}"
+    behind = ranked[rank - 1].estimate.step_s / ranked[0].estimate.step_s - 1
+    return f"{rank} of {len(ranked)} ({behind:+.1%} step time vs the best)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.planner.published", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="refit the efficiencies to the rows and print them")
     p.add_argument("--rank", action="store_true",
                    help="print the planner's rank of each layout marked fastest (recipe's settings, then ours)")
+    p.add_argument("--top", type=int, default=0, metavar="N",
+                   help="with --rank: print each model's N fastest layouts and the published one (marked *) "
+                        "with compute, bubble, exposed communication and memory")
     args = p.parse_args(argv)
     rows = load_rows()
+    if args.rank and args.top:
+        seen = set()
+        for r in (r for r in rows if r.get("fastest")):
+            if (r["model"], r["gbs"]) in seen:  # rows of one model and batch rank alike
+                continue
+            seen.add((r["model"], r["gbs"]))
+            for settings in (True, False):
+                print_top(r, args.top, recipe_settings=settings)
+        return 0
     if args.rank:
         for r in (r for r in rows if r.get("fastest")):
-            recipe, ours = (rank_of_published_layout(r, recipe_settings=s) for s in (True, False))
-            print(f"{r['source']} {r['model']} {r['gpus']} GPUs gbs {r['gbs']}: recipe's settings {recipe[0]} of "
-                  f"{recipe[1]}, ours {ours[0] or 'not fitting'} of {ours[1]}")
+            print(f"{r['source']} {r['model']} {r['gpus']} GPUs gbs {r['gbs']}: recipe's settings "
+                  f"{_rank_text(r, True)}, ours {_rank_text(r, False)}")
         return 0
     fitted = calibration_rows(rows)
     eff = fit_efficiencies(fitted) if args.fit else DEFAULT_EFFICIENCIES

@@ -223,6 +223,41 @@ def tp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     return c.max_stage_layers * 2 * _passes(c) * per_allreduce
 
 
+def linear_gemm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> tuple[float, ...]:
+    """Forward GEMM seconds of a layer's four linear layers (QKV, attention projection, fc1,
+    fc2) for one microbatch on one GPU: 2 (s/c) b K N / t FLOPs each (with sequence parallel
+    the GEMM sees the all-gathered s/c tokens), at the linear GEMMs' efficiency."""
+    m = c.model
+    h, nd, kv = m.hidden_size, m.num_attention_heads * m.head_dim, 2 * m.query_groups * m.head_dim
+    shapes = ((h, nd + kv), (nd, h), (h, (2 if m.gated else 1) * m.ffn_hidden_size), (m.ffn_hidden_size, h))
+    eff = opts.efficiency if opts.efficiency is not None else opts.efficiencies.gemm(c.dtype, c.fp8, c.fp8_recipe)
+    rate = device.peak(c.dtype, c.fp8) * eff
+    tokens = c.seq_length / c.cp * c.micro_batch
+    return tuple(2 * tokens * k * n / c.tp / rate for k, n in shapes)
+
+
+def tp_exposed_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
+    """TP communication per microbatch on one stage left exposed by --overlap tp. Transformer
+    Engine's userbuffers overlap pairs each all-gather / reduce-scatter with one GEMM (the
+    configs of NeMo's tp_overlap_configs/userbuffers.py, used by Megatron-Bridge: ring-exchange
+    AG with qkv_fprop and fc1_fprop, pipelined RS with proj_fprop and fc2_fprop; in backward
+    with the dgrad/wgrad GEMMs), so a collective hides at most behind its GEMM: per layer and
+    pass, sum over the four linears of max(C (1 - overlap), C - G_i), C = one AG or RS
+    ((t-1)/t e (s/c) b h / bw), G_i the linear's forward GEMM (x2 in backward: dgrad + wgrad).
+    TP comm grows with t per GPU while G_i shrinks as 1/t, so at TP8 the small QKV and
+    projection GEMMs of a 70B no longer cover theirs. MoE layers (expert GEMMs under expert TP,
+    not modelled per GEMM) keep the plain fraction."""
+    raw = tp_comm_s(c, device, opts)
+    if c.tp == 1 or c.model.is_moe:
+        return raw * (1 - opts.tp_overlap)
+    one = c.act_bytes * c.seq_length / c.cp * c.micro_batch * c.model.hidden_size * (c.tp - 1) / c.tp / _bandwidth(
+        c.tp, device, opts)
+    gemms = linear_gemm_s(c, device, opts)
+    forward = sum(max(one * (1 - opts.tp_overlap), one - g) for g in gemms)
+    backward = sum(max(one * (1 - opts.tp_overlap), one - 2 * g) for g in gemms)
+    return c.max_stage_layers * ((_passes(c) - 1) * forward + backward)
+
+
 def cp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     """CP ring attention per microbatch on one stage: forward passes the K,V block
     (2 e (s/c) b g d / t bytes) c-1 times, backward passes K,V and dK,dV (2 (c-1) blocks),
@@ -315,6 +350,21 @@ def dp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     return total
 
 
+def dp_exposed_s(dp_s: float, overlap: float, *, window_s: float) -> float:
+    """The DP synchronisation left exposed: `overlap` of it hidden, but never more than the
+    compute it can hide behind. Megatron-Core's schedules run every microbatch but the last
+    under DDP's no_sync (pipeline_parallel/schedules.py: forward_backward_no_pipelining's
+    `for i in range(num_microbatches - 1)` inside no_sync_func; the 1F1B schedules call
+    enable_grad_sync only at each model chunk's last microbatch), so overlap_grad_reduce's
+    reduce-scatters start in the last microbatch's backward; overlap_param_gather's
+    all-gathers run in the next step's first forward. Together: one microbatch's time on the
+    rank plus its pipeline idle (the warm-up wait before its first forward, the cool-down wait
+    after its last backward, the bubble); the rest waits at the optimizer step. At PP1 with
+    many microbatches this is one microbatch of 30-70: an 0.8 overlap there hid several
+    times the compute there is."""
+    return max(dp_s * (1 - overlap), dp_s - window_s)
+
+
 def zero_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     """ZeRO-2/3 per microbatch (Megatron-FSDP reduce-scatters after every backward, not only
     the last), inside the shard group of s = DP x CP / r ranks, for the P parameters of the
@@ -370,7 +420,7 @@ def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = Throug
     compute_mb = max(stage_compute_s(c, s, device, opts) for s in edge_stages(c))
     zero = zero_comm_s(c, device, opts)
     exposed = {
-        "tp": tp_comm_s(c, device, opts) * (1 - opts.tp_overlap),
+        "tp": tp_exposed_s(c, device, opts),
         "cp": cp_comm_s(c, device, opts) * (1 - opts.cp_overlap),
         "ep": ep_comm_s(c, device, opts) * (1 - opts.ep_overlap),
         "zero": max(zero * (1 - opts.zero_overlap), zero - compute_mb),
@@ -380,7 +430,7 @@ def estimate_step(c: Candidate, device: Device, opts: ThroughputOptions = Throug
     bubble = t_mb * (c.pp - 1) / c.vpp
     comm = {k: v * m for k, v in exposed.items()}
     comm["pp"] = pp_comm_s(c, device, opts) * (1 - pp_overlap(c, opts))
-    comm["dp"] = dp_comm_s(c, device, opts) * (1 - opts.dp_overlap)
+    comm["dp"] = dp_exposed_s(dp_comm_s(c, device, opts), opts.dp_overlap, window_s=t_mb + bubble)
     comm["offload"] = offload_s(c, device, opts) * (1 - opts.offload_overlap)
     if c.muon:  # AdamW plans keep their JSON keys
         comm["muon"] = muon_comm_s(c, device, opts)

@@ -103,7 +103,10 @@ def test_step_bubble_overlap_and_metrics_formula():
     assert est.tflops_per_gpu == pytest.approx(tflops)
     assert est.mfu == pytest.approx(mfu)
     assert est.tokens_per_s == pytest.approx(tps)
-    hidden = estimate_step(cand(world=2, tensor_parallel=2), DEV, ThroughputOptions(tp_overlap=1.0))
+    # Full TP overlap hides all where every GEMM outlasts its collective (a fast link here;
+    # test_tp_overlap_hides_at_most_the_paired_gemm has the slow case).
+    fast = dataclasses.replace(DEV, intra_node_gbps=1e6)
+    hidden = estimate_step(cand(world=2, tensor_parallel=2), fast, ThroughputOptions(tp_overlap=1.0))
     assert hidden.comm_s["tp"] == 0
 
 
@@ -205,3 +208,50 @@ def test_moe_element_wise_work_counts_the_dispatch():
     assert moe_dispatch_bytes_per_token(cand(moe)) == 12 * 4 + 7 * 2 * 8
     assert moe_dispatch_bytes_per_token(cand()) == 0
     assert elementwise_bytes_per_token(cand(moe)) - elementwise_bytes_per_token(cand()) == 12 * 4 + 7 * 2 * 8
+
+
+def test_dp_overlap_hides_at_most_one_microbatch_and_the_pipeline_idle():
+    """Megatron-Core syncs gradients only in the last microbatch's backward (no_sync before) and
+    gathers parameters in the next step's first forward: however large --overlap dp is, no more
+    than one microbatch's time plus the rank's pipeline idle (the bubble) is hidden."""
+    slow_link = dataclasses.replace(DEV, intra_node_gbps=1e-6)  # DP sync far beyond the compute
+    hide_all = dataclasses.replace(IDEAL, dp_overlap=1.0)
+    dp2 = cand(world=2, gbs=16)  # 4 microbatches of 2 on each of 2 DP ranks, no pipeline
+    t_mb = stage_compute_s(dp2, 0, slow_link, IDEAL)
+    est = estimate_step(dp2, slow_link, hide_all)
+    assert est.comm_s["dp"] == pytest.approx(dp_comm_s(dp2, slow_link, IDEAL) - t_mb)
+    # With PP2 the warm-up and cool-down idle (the bubble, t_mb x (p-1)/v) hides more.
+    pp2 = cand(world=4, gbs=16, pipeline_parallel=2)
+    t_mb = max(stage_compute_s(pp2, s, slow_link, IDEAL) for s in range(2))
+    est = estimate_step(pp2, slow_link, hide_all)
+    assert est.bubble_s == pytest.approx(t_mb)
+    assert est.comm_s["dp"] == pytest.approx(dp_comm_s(pp2, slow_link, IDEAL) - 2 * t_mb)
+    # On a fast link the overlap fraction is what limits: half hidden at 0.5.
+    fast_link = dataclasses.replace(DEV, intra_node_gbps=1e3)
+    dp_s = dp_comm_s(dp2, fast_link, IDEAL)
+    assert dp_s < stage_compute_s(dp2, 0, fast_link, IDEAL)  # the window is not the limit here
+    est = estimate_step(dp2, fast_link, dataclasses.replace(IDEAL, dp_overlap=0.5))
+    assert est.comm_s["dp"] == pytest.approx(0.5 * dp_s)
+
+
+def test_tp_overlap_hides_at_most_the_paired_gemm():
+    """Userbuffers pair each TP all-gather / reduce-scatter with one GEMM: however large
+    --overlap tp is, a collective longer than its GEMM stays exposed by the difference. M at
+    TP2, 32 tokens, 1 TFLOP/s: forward GEMMs 2 x 32 x K x N / 2 of QKV 8x16, projection 8x8,
+    fc1 8x32 (gated), fc2 16x8; one AG or RS moves (1/2) x 2 x 32 x 8 bytes at 1 GB/s."""
+    from launch.planner.throughput import tp_exposed_s
+
+    tp2 = cand(world=2, tensor_parallel=2, sequence_parallel=True)
+    assert M.gated
+    gemms = [2 * 32 * k * n / 2 / 1e12 for k, n in ((8, 16), (8, 8), (8, 32), (16, 8))]
+    one = 0.5 * 2 * 32 * 8 / 1e9
+    assert 8 * 2 * one == pytest.approx(tp_comm_s(tp2, DEV, IDEAL))  # 2 layers x 8 collectives
+    hide_all = dataclasses.replace(IDEAL, tp_overlap=1.0)
+    want = 2 * sum(max(0.0, one - g) + max(0.0, one - 2 * g) for g in gemms)
+    assert tp_exposed_s(tp2, DEV, hide_all) == pytest.approx(want)
+    assert estimate_step(tp2, DEV, hide_all).comm_s["tp"] == pytest.approx(want)  # one microbatch
+    # No overlap: all of it; a link fast enough that every GEMM covers its collective: the fraction.
+    assert tp_exposed_s(tp2, DEV, IDEAL) == pytest.approx(tp_comm_s(tp2, DEV, IDEAL))
+    fast = dataclasses.replace(DEV, intra_node_gbps=1e6)
+    half = dataclasses.replace(IDEAL, tp_overlap=0.5)
+    assert tp_exposed_s(tp2, fast, half) == pytest.approx(0.5 * tp_comm_s(tp2, fast, IDEAL))
