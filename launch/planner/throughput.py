@@ -29,7 +29,8 @@ from launch.planner.candidate import Candidate
 from launch.planner.devices import Device
 from launch.planner import muon as _muon
 from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
-from launch.planner.memory import edge_stages, host_bytes, mixed_layers, moe_layers_on_stage, params_on_rank, stage_layer_kinds
+from launch.planner.memory import (edge_stages, host_bytes, mixed_layers, moe_layers_on_stage, params_on_rank,
+                                   stage_layer_kinds)
 from models.flops import forward_flops_per_token, training_flops_per_step
 
 
@@ -215,17 +216,17 @@ def mixed_stage_compute_s(c: Candidate, stage: int, device: Device, opts: Throug
     layers on the stage at that kind's per-layer cost (layer_kind_candidate), the logits once
     on the last stage."""
     last = stage == c.pp - 1
+    tokens = c.seq_length * c.micro_batch / (c.tp * c.cp)
     total = 0.0
     for index, (layers, moe) in enumerate(stage_layer_kinds(c, stage)):
         kind = layer_kind_candidate(c, moe)
         with_logits = last and index == 0
         if opts.efficiency is None:
-            tokens = c.seq_length * c.micro_batch / (c.tp * c.cp)
             total += tokens * _time_per_token(kind, layers, with_logits, device, opts)
             continue
         layer, logits = layer_and_logit_flops(kind)
         per_token = layers * (3 * layer + recompute_flops_per_layer(kind)) + (3 * logits if with_logits else 0)
-        total += per_token * c.seq_length * c.micro_batch / (c.tp * c.cp) / (device.peak(c.dtype, c.fp8) * opts.efficiency)
+        total += per_token * tokens / (device.peak(c.dtype, c.fp8) * opts.efficiency)
     return total
 
 
