@@ -117,6 +117,9 @@ def test_tiny_deepseek_plan_and_zero3_refusal():
         validate_for_world(e.candidate.apply_to(recipe), 8)
     with pytest.raises(PlanError, match="does not model ZeRO-2/3.*--zero 0 1"):
         plan(recipe, world_size=8, device=H100, space=SearchSpace(zero=(2, 3)))
+    muon = recipe.model_copy(update={"optimizer": recipe.optimizer.model_copy(update={"name": "muon"})})
+    with pytest.raises(PlanError, match="optimizer.name=muon .* plan it with optimizer.name=adamw"):
+        plan(muon, world_size=8, device=H100)
 
 
 def test_published_deepseek_layout_is_over_by_activations():
