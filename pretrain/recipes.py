@@ -124,8 +124,11 @@ def deepseek_v3() -> ExperimentConfig:
     tokens a step (the paper's final batch size), 125k steps = 1T tokens (DeepSeek trained
     14.8T; more steps than this need a larger data index than the dry run's memory check allows). DeepSeek trained with PP16 x EP64, no TP, as
     here: 61 layers as 3 (the dense ones, beside the embedding) + 14 x 4 + 2 (beside the output
-    layer); 1024 GPUs give DP64, each DP rank one EP rank (4 experts per GPU). Not a measured or
-    planned layout yet: the planner does not model MLA (issue 45)."""
+    layer); 1024 GPUs give DP64, each DP rank one EP rank (4 experts per GPU). Not a measured
+    layout, and too large for 80 GB in the planner's model: `python -m launch.planner.deepseek_layouts`
+    estimates 134.9 GiB on stage 1, 104.3 GiB of it activations (15 microbatches in flight x 4
+    MoE layers: each token's 8 routed copies and MLA's per-head q/k/v; DeepSeek recomputes MLA's
+    up projections and keeps FP8 activations, which our training does not)."""
     layout = ParallelLayout(pipeline_parallel=16, expert_parallel=64, num_layers_in_first_pipeline_stage=3,
                             num_layers_in_last_pipeline_stage=2)
     return _h100_base("deepseek-v3", "deepseek-v3", layout, seq=4096, gbs=1920, lr=2.2e-4, steps=125_000)

@@ -28,6 +28,7 @@ from launch.planner.fsdp_buckets import fsdp_held_elements
 from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
 from models.config import ModelConfig
 from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params, qk_norm_params
+from models.layout import pipeline_split
 
 GIB = 2**30
 # The gradient buffer's element size is Candidate.grad_bytes: pretrain/wrap.py builds DDP with
@@ -40,15 +41,18 @@ ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
 # Which parameters a rank holds
 
 
-def tp_replicated_layer_params(m: ModelConfig) -> int:
+def tp_replicated_layer_params(m: ModelConfig, moe: bool | None = None, te: bool = True) -> int:
     """Per-layer dense parameters every TP rank holds whole (not split by TP):
     2 norms (2 x norm_params) and the q/k norms + the row-parallel output biases (attention
-    proj h, dense fc2 h, shared-expert fc2 h, when add_bias_linear) + the MoE router (h x E)."""
+    proj h, dense fc2 h, shared-expert fc2 h, when add_bias_linear) + the MoE router (h x E)
+    + MLA's replicated part (mla_replicated_params; `te`: the spec).
+    `moe`: which kind of layer (moe_layer_freq leaves some dense); None = MoE for a MoE model."""
     h = m.hidden_size
-    count = 2 * norm_params(m) + qk_norm_params(m)
+    moe = m.is_moe if moe is None else moe
+    count = 2 * norm_params(m) + qk_norm_params(m) + mla_replicated_params(m, te)
     bias = h if m.add_bias_linear else 0
     count += bias  # attention output projection bias
-    if m.is_moe:
+    if moe:
         count += h * m.num_experts
         if m.moe_shared_expert_hidden_size:
             count += bias
@@ -62,11 +66,63 @@ def expert_layer_params(m: ModelConfig) -> int:
     return m.num_experts * mlp_params(m, m.expert_ffn_hidden_size) if m.is_moe else 0
 
 
-def dense_layer_params_on_rank(m: ModelConfig, tp: int) -> int:
+def mla_replicated_params(m: ModelConfig, te: bool = True) -> int:
+    """Multi-latent attention's parameters every TP rank holds whole (0 without MLA). Both
+    specs keep the latent norms whole (per_norm x (q_lora + kv_lora); Transformer Engine fuses
+    them into the up projections' LayerNormColumnParallelLinear). The te spec builds the down
+    projections as TELinear, parallel_mode='duplicated' (multi_latent_attention.py,
+    MLASelfAttention.__init__): h x q_lora + h x (kv_lora + dr) on every rank too. The portable
+    (local) spec builds them column-parallel, split over TP like the up projections and the
+    output projection, which every spec splits."""
+    if not m.multi_latent_attention:
+        return 0
+    per_norm = 2 if m.normalization == "LayerNorm" else 1
+    count = per_norm * (m.kv_lora_rank + (m.q_lora_rank or 0))
+    if te:
+        count += m.hidden_size * (m.kv_lora_rank + m.qk_pos_emb_head_dim + (m.q_lora_rank or 0))
+    return count
+
+
+def dense_layer_params_on_rank(m: ModelConfig, tp: int, moe: bool | None = None, te: bool = True) -> int:
     """One layer's non-expert parameters on one rank:
-    R + (layer_params - experts - R) / t, with R = tp_replicated_layer_params."""
-    replicated = tp_replicated_layer_params(m)
-    return replicated + (layer_params(m) - expert_layer_params(m) - replicated) // tp
+    R + (layer_params - experts - R) / t, with R = tp_replicated_layer_params.
+    `moe`: the kind of layer (None = MoE for a MoE model); `te`: the spec (MLA only)."""
+    moe = m.is_moe if moe is None else moe
+    replicated = tp_replicated_layer_params(m, moe, te)
+    experts = expert_layer_params(m) if moe else 0
+    return replicated + (layer_params(m, moe) - experts - replicated) // tp
+
+
+def moe_layers_on_stage(c: Candidate, stage: int) -> int:
+    """MoE layers on pipeline rank `stage` (moe_layer_freq's pattern read over the layers its
+    chunks hold: chunk v of rank r follows every chunk of an earlier virtual stage and rank r'
+    < r's chunk v, Megatron-Core's get_transformer_layer_offset); 0 for a dense model."""
+    pattern = c.model.moe_layer_pattern
+    if not pattern:
+        return 0
+    split = pipeline_split(c.model.num_layers, c.layout)
+    count = offset = 0
+    for v in range(c.vpp):
+        for rank in range(c.pp):
+            if rank == stage:
+                count += sum(pattern[offset:offset + split[rank][v]])
+            offset += split[rank][v]
+    return count
+
+
+def stage_layer_kinds(c: Candidate, stage: int) -> list[tuple[int, bool | None]]:
+    """(layers, moe) per kind of layer on `stage`: [(L_stage, None)] for a dense or an all-MoE
+    model (moe=None: the model's one kind), else the dense and the MoE layers' counts."""
+    layers = c.layers_on_stage(stage)
+    if not mixed_layers(c.model):
+        return [(layers, None)]
+    moe = moe_layers_on_stage(c, stage)
+    return [(layers - moe, False), (moe, True)]
+
+
+def mixed_layers(m: ModelConfig) -> bool:
+    """A MoE model with dense layers among its MoE layers (moe_layer_freq)."""
+    return m.is_moe and 0 in m.moe_layer_pattern
 
 
 def expert_layer_params_on_rank(m: ModelConfig, ep: int, etp: int) -> int:
@@ -112,15 +168,20 @@ class RankParams:
 def params_on_rank(c: Candidate, stage: int) -> RankParams:
     """Parameters on pipeline rank `stage` (0..p-1), all its virtual chunks together:
     dense = (L/p) x dense_layer + [stage 0] embedding + [stage p-1] output,
-    expert = (L/p) x expert_layer."""
-    m = c.model
-    layers = c.layers_on_stage(stage)
-    dense = layers * dense_layer_params_on_rank(m, c.tp)
+    expert = (L/p) x expert_layer.
+    With dense layers among MoE ones (moe_layer_freq) each kind counts its own layers
+    (stage_layer_kinds); only the MoE layers hold experts.
+    MLA's TP split depends on the spec: flash_attention (te) or not (portable)."""
+    m, te = c.model, c.flash_attention
+    dense = expert = 0
+    for layers, moe in stage_layer_kinds(c, stage):
+        dense += layers * dense_layer_params_on_rank(m, c.tp, moe, te)
+        if moe is not False:
+            expert += layers * expert_layer_params_on_rank(m, c.ep, c.etp)
     if stage == 0:
         dense += embedding_params_on_rank(m, c.tp)
     if stage == c.pp - 1:
         dense += output_params_on_rank(m, c.tp, c.pp)
-    expert = layers * expert_layer_params_on_rank(m, c.ep, c.etp)
     return RankParams(dense=dense, expert=expert)
 
 
@@ -205,12 +266,14 @@ def host_bytes(c: Candidate, stage: int) -> float:
     return _sharded(c, params_on_rank(c, stage), 16, c.zero >= 1)
 
 
-def linear_layer_params_on_rank(c: Candidate) -> int:
+def linear_layer_params_on_rank(c: Candidate, moe: bool | None = None) -> int:
     """Per-layer parameters of the linear layers whose GEMMs run in FP8 (QKV, projection,
-    MLP or experts), on one rank: a layer's parameters less its norms and router."""
+    MLP or experts), on one rank: a layer's parameters less its norms and router (`moe`: the
+    kind of layer, None = the model's; MLA's down projections count, its latent norms not)."""
     m = c.model
-    dense = dense_layer_params_on_rank(m, c.tp) - tp_replicated_layer_params(m)
-    return dense + expert_layer_params_on_rank(m, c.ep, c.etp)
+    mla_down = mla_replicated_params(m, True) - mla_replicated_params(m, False)
+    dense = dense_layer_params_on_rank(m, c.tp, moe) - tp_replicated_layer_params(m, moe) + mla_down
+    return dense + (expert_layer_params_on_rank(m, c.ep, c.etp) if moe is not False else 0)
 
 
 # Transformer Engine's delayed scaling keeps an amax history per FP8 tensor: 3 per linear
@@ -227,9 +290,8 @@ def fp8_buffer_bytes(c: Candidate, stage: int) -> float:
     linear. 0 without FP8 (nothing of this exists)."""
     if not c.fp8:
         return 0.0
-    layers = c.layers_on_stage(stage)
     amax = 3 * 4 * AMAX_HISTORY * LINEARS_PER_LAYER if c.fp8_recipe in (None, "delayed") else 0
-    return layers * (2 * linear_layer_params_on_rank(c) + amax)
+    return sum(layers * (2 * linear_layer_params_on_rank(c, moe) + amax) for layers, moe in stage_layer_kinds(c, stage))
 
 
 # --------------------------------------------------------------------------------------
@@ -265,10 +327,31 @@ def attention_activation_bytes(c: Candidate) -> float:
     for the FP8 copies TE keeps of linear inputs (_linear_input_bytes).
     Paper (MHA, e=2): 2sbh + 6sbh/t + 2sbh/t + sbh = 11sbh at t=1."""
     m, e, T, q = c.model, c.act_bytes, _tokens(c), _linear_input_bytes(c)
+    if m.multi_latent_attention:
+        return mla_activation_bytes(c)
     nd, gd = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
     count = q * T * m.hidden_size / _sp(c) + e * T * (nd + 2 * gd) / c.tp + q * T * nd / c.tp
     if c.dropout:
         count += T * m.hidden_size / _sp(c)
+    return count
+
+
+def mla_activation_bytes(c: Candidate) -> float:
+    """Multi-latent attention except the scores, as Megatron-Core's MLASelfAttention on the te
+    spec saves it: the down projections' shared input q T h / z; per latent (q: q_lora, only with
+    q_lora_rank; kv: kv_lora) its norm's input e T r / z and the up projection's input q T r / z
+    (TE's LayerNormColumnParallelLinear keeps both, the local shard under SP); after the up
+    projections and RoPE the core attention's Q and K, e T n (dq + dr) / t each (the shared RoPE
+    key expanded to every head), and V, e T n dv / t; the output projection's input q T n dv / t
+    (the attention output); dropout mask T h / z (if dropout). RoPE's backward needs only its
+    cos / sin tables, so the pre-RoPE q / k and the kv down projection's output are not kept."""
+    m, e, T, q, z = c.model, c.act_bytes, _tokens(c), _linear_input_bytes(c), _sp(c)
+    n = m.num_attention_heads
+    latents = m.kv_lora_rank + (m.q_lora_rank or 0)
+    count = q * T * m.hidden_size / z + (e + q) * T * latents / z
+    count += e * T * n * (2 * m.q_head_dim + m.v_head_dim) / c.tp + q * T * n * m.v_head_dim / c.tp
+    if c.dropout:
+        count += T * m.hidden_size / z
     return count
 
 
@@ -325,22 +408,24 @@ def moe_activation_bytes(c: Candidate) -> float:
     return count
 
 
-def full_layer_activation_bytes(c: Candidate) -> float:
-    """One layer, nothing recomputed: norms + attention + scores + (MoE) MLP.
+def full_layer_activation_bytes(c: Candidate, moe: bool | None = None) -> float:
+    """One layer, nothing recomputed: norms + attention + scores + (MoE) MLP (`moe`: the kind
+    of layer, None = the model's).
     Paper: sbh (34 + 5as/h) without TP; sbh (10 + 24/t + 5as/(ht)) with TP;
     sbh/t (34 + 5as/h) with TP + SP."""
-    mlp = moe_activation_bytes(c) if c.model.is_moe else mlp_activation_bytes(c)
+    moe = c.model.is_moe if moe is None else moe
+    mlp = moe_activation_bytes(c) if moe else mlp_activation_bytes(c)
     return (norm_activation_bytes(c) + attention_activation_bytes(c)
             + score_activation_bytes(c) + mlp)
 
 
-def layer_activation_bytes(c: Candidate) -> float:
-    """What one layer keeps per in-flight microbatch:
+def layer_activation_bytes(c: Candidate, moe: bool | None = None) -> float:
+    """What one layer keeps per in-flight microbatch (`moe`: the kind of layer):
     none: full_layer_activation_bytes; selective: the same without the score term
     (paper: 34sbh/t with SP); full: only the layer input e T h / z (paper: 2sbh/t)."""
     if c.recompute == "full":
         return c.act_bytes * _tokens(c) * c.model.hidden_size / _sp(c)
-    full = full_layer_activation_bytes(c)
+    full = full_layer_activation_bytes(c, moe)
     if c.recompute == "selective":
         return full - score_activation_bytes(c)
     return full
@@ -349,7 +434,11 @@ def layer_activation_bytes(c: Candidate) -> float:
 def recompute_working_bytes(c: Candidate) -> float:
     """Full recompute re-runs one layer's forward inside its backward, so one layer's
     full activations (full_layer_activation_bytes) exist at a time; 0 otherwise."""
-    return full_layer_activation_bytes(c) if c.recompute == "full" else 0.0
+    if c.recompute != "full":
+        return 0.0
+    if mixed_layers(c.model):  # the larger kind of layer
+        return max(full_layer_activation_bytes(c, False), full_layer_activation_bytes(c, True))
+    return full_layer_activation_bytes(c)
 
 
 def embedding_activation_bytes(c: Candidate) -> float:
@@ -387,9 +476,14 @@ def activation_bytes(c: Candidate, stage: int) -> float:
     + [stage 0] ceil(inflight / v) x embedding_activation_bytes
     + [stage p-1] output_activation_bytes."""
     chunks = inflight_chunks(c, stage)
-    # With embedding_loss_in_split the edge stages' chunks average slightly fewer layers.
+    # With embedding_loss_in_split the edge stages' chunks average slightly fewer layers; with
+    # dense layers among MoE ones (moe_layer_freq) a chunk holds the stage's average layer.
     layers_per_chunk = c.layers_on_stage(stage) / c.vpp
-    total = chunks * layers_per_chunk * layer_activation_bytes(c) + recompute_working_bytes(c)
+    per_layer = layer_activation_bytes(c)
+    if mixed_layers(c.model):
+        kinds = stage_layer_kinds(c, stage)
+        per_layer = sum(n * layer_activation_bytes(c, moe) for n, moe in kinds) / sum(n for n, _ in kinds)
+    total = chunks * layers_per_chunk * per_layer + recompute_working_bytes(c)
     if stage == 0:
         total += -(-chunks // c.vpp) * embedding_activation_bytes(c)
     if stage == c.pp - 1:
@@ -495,6 +589,10 @@ def edge_stages(c: Candidate) -> tuple[int, ...]:
     stage 1 (every middle stage holds the same) is evaluated too."""
     if c.pp == 1:
         return (0,)
+    if mixed_layers(c.model):
+        # Dense layers (moe_layer_freq) make the stages that hold them lighter: any stage can
+        # be the fullest.
+        return tuple(range(c.pp))
     if c.layout.uneven_pipeline and c.pp > 2:
         return (0, 1, c.pp - 1)
     return (0, c.pp - 1)

@@ -29,7 +29,8 @@ from launch.planner.candidate import Candidate
 from launch.planner.devices import Device
 from launch.planner import muon as _muon
 from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
-from launch.planner.memory import edge_stages, host_bytes, params_on_rank
+from launch.planner.memory import (edge_stages, host_bytes, mixed_layers, moe_layers_on_stage, params_on_rank,
+                                   stage_layer_kinds)
 from models.flops import forward_flops_per_token, training_flops_per_step
 
 
@@ -188,6 +189,8 @@ def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOp
     """One microbatch through pipeline rank `stage`, forward + backward, s b / (t c) tokens:
     by kind of work (_time_per_token); with a single --efficiency, the old one-constant model
     s b [(L/p)(3 X + recompute) + (last stage) 3 Y] / (t c) / (peak x efficiency)."""
+    if mixed_layers(c.model):
+        return mixed_stage_compute_s(c, stage, device, opts)
     layers = c.layers_on_stage(stage)
     last = stage == c.pp - 1
     tokens = c.seq_length * c.micro_batch / (c.tp * c.cp)
@@ -198,6 +201,41 @@ def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOp
     if last:
         per_token += 3 * logits
     return per_token * tokens / (device.peak(c.dtype, c.fp8) * opts.efficiency)
+
+
+def layer_kind_candidate(c: Candidate, moe: bool) -> Candidate:
+    """`c` with every layer of one kind: MoE (moe_layer_freq=1) or dense (no experts, the
+    dense layers' ffn_hidden_size), so the one-kind formulas (layer_and_logit_flops,
+    elementwise_bytes_per_token, which read models.flops) price that kind's layer."""
+    update = {"moe_layer_freq": 1} if moe else {"num_experts": None, "moe_layer_freq": 1}
+    return dataclasses.replace(c, model=c.model.model_copy(update=update))
+
+
+def mixed_stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOptions) -> float:
+    """stage_compute_s of a model with dense layers among MoE ones (moe_layer_freq): each kind's
+    layers on the stage at that kind's per-layer cost (layer_kind_candidate), the logits once
+    on the last stage."""
+    last = stage == c.pp - 1
+    tokens = c.seq_length * c.micro_batch / (c.tp * c.cp)
+    total = 0.0
+    for index, (layers, moe) in enumerate(stage_layer_kinds(c, stage)):
+        kind = layer_kind_candidate(c, moe)
+        with_logits = last and index == 0
+        if opts.efficiency is None:
+            total += tokens * _time_per_token(kind, layers, with_logits, device, opts)
+            continue
+        layer, logits = layer_and_logit_flops(kind)
+        per_token = layers * (3 * layer + recompute_flops_per_layer(kind)) + (3 * logits if with_logits else 0)
+        total += per_token * tokens / (device.peak(c.dtype, c.fp8) * opts.efficiency)
+    return total
+
+
+def _max_moe_layers(c: Candidate) -> int:
+    """MoE layers on the pipeline stage that holds the most (every stage's layers for a MoE
+    model without dense layers)."""
+    if not mixed_layers(c.model):
+        return c.max_stage_layers
+    return max(moe_layers_on_stage(c, s) for s in range(c.pp))
 
 
 def _bandwidth(span: int, device: Device, opts: ThroughputOptions) -> float:
@@ -260,14 +298,24 @@ def tp_exposed_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float
 
 def cp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     """CP ring attention per microbatch on one stage: forward passes the K,V block
-    (2 e (s/c) b g d / t bytes) c-1 times, backward passes K,V and dK,dV (2 (c-1) blocks),
+    (2 e (s/c) b g d / t bytes; MLA: e (s/c) b mla_kv_channels / t) c-1 times, backward passes
+    K,V and dK,dV (2 (c-1) blocks),
     full recompute one forward more: (L/p) x (c-1) x (1 + 2 [+1]) x KV / bw(TP x CP)."""
     if c.cp == 1:
         return 0.0
     m = c.model
-    kv = 2 * c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * m.query_groups * m.head_dim / c.tp
+    if m.multi_latent_attention:
+        kv = c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * mla_kv_channels(m) / c.tp
+    else:
+        kv = 2 * c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * m.query_groups * m.head_dim / c.tp
     hops = (c.cp - 1) * (3 + (1 if c.recompute == "full" else 0))
     return c.max_stage_layers * hops * kv / _bandwidth(c.tp * c.cp, device, opts)
+
+
+def mla_kv_channels(m) -> int:
+    """Key + value channels per token that ring attention passes with MLA: its keys and values
+    are per head after the up projection, n (dq + dr) + n dv."""
+    return m.num_attention_heads * (m.q_head_dim + m.v_head_dim)
 
 
 def ep_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
@@ -280,7 +328,7 @@ def ep_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:
     m = c.model
     routed = m.moe_router_topk * c.act_bytes * (c.seq_length / c.cp) * c.micro_batch * m.hidden_size / z
     per_all_to_all = routed * (c.ep - 1) / c.ep / _bandwidth(c.etp * c.ep, device, opts)
-    return c.max_stage_layers * 2 * _passes(c) * per_all_to_all
+    return _max_moe_layers(c) * 2 * _passes(c) * per_all_to_all
 
 
 def pp_comm_s(c: Candidate, device: Device, opts: ThroughputOptions) -> float:

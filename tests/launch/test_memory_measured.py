@@ -3,7 +3,8 @@
 Static memory (params, fp32 grad buffer, fp32 main params, Adam moments) must equal the
 bytes allocated through `pretrain.wrap.wrap_for_training` within 1% for every layout of
 the matrix: TP, PP, VPP, DP, EP, distributed optimizer on/off, ZeRO-2/3 and HSDP
-(Megatron-FSDP's padded buffers), fp32 and bf16, tied embeddings, biases, MoE; and for
+(Megatron-FSDP's padded buffers), fp32 and bf16, tied embeddings, biases, MoE, DeepSeek-style
+MLA with a dense layer among MoE layers and a shared expert (tiny-deepseek); and for
 optimizer.name=muon (Muon's momentum + AdamW's moments, unsharded and under Megatron-Core's
 layer-wise distributed optimizer at DP2: launch.planner.muon) and optimizer.name=lion (one
 momentum per element, the same wrapping).
@@ -47,6 +48,11 @@ STATIC = {  # world size -> (flavor, overrides)
         ("tiny-qwen3-moe", ["parallel.expert_parallel=2", BF16]),
         ("tiny-llama", [ZERO2, FP32]),  # Megatron-FSDP: gradients sharded, padded buckets
         ("tiny-llama", [ZERO3, BF16]),  # + parameters sharded, fp32 main weights
+        # DeepSeek-V3's parts: MLA (the portable spec splits its down projections over TP, keeps
+        # the latent norms whole), layer 1 dense among MoE layers 2-4, a shared expert.
+        ("tiny-deepseek", [TP2, SP, BF16]),
+        ("tiny-deepseek", ["parallel.pipeline_parallel=2", BF16]),  # stage 0: the dense layer + 1 MoE
+        ("tiny-deepseek", ["parallel.expert_parallel=2", BF16]),  # routed experts split, shared expert not
     ],
     4: [
         ("tiny-llama", [TP2, BF16]),  # TP2 x DP2
@@ -56,6 +62,7 @@ STATIC = {  # world size -> (flavor, overrides)
         ("tiny-llama", [ZERO3, "parallel.hsdp_replicas=2", FP32]),  # HSDP: shard over 2, replicate over 2
         ("tiny-moe", [ZERO3, "parallel.expert_parallel=2", BF16]),  # experts sharded over expert-DP
         ("tiny-qwen3-moe", [TP2, SP, "parallel.expert_parallel=2", BF16]),  # TP2 x DP2, experts EP2 x expert-TP2
+        ("tiny-deepseek", [TP2, SP, "parallel.expert_parallel=2", BF16]),  # MLA at TP2, experts EP2 x expert-TP2
     ],
 }
 MUON = "optimizer.name=muon"

@@ -227,8 +227,3 @@ def test_qwen3_30b_a3b_plan_validates_and_its_recipe_layout_fits():
     assert [e.candidate.layout.describe(16) for e in own.ranked][:1] == ["TP1xPP2xEP8xDP8"]
     assert own.ranked[0].memory.total <= H100.memory_bytes
 
-
-@pytest.mark.parametrize("recipe", ["deepseek-v3", "tiny-deepseek"])
-def test_planner_refuses_mla_and_dense_first_moe_until_it_models_them(recipe):
-    with pytest.raises(PlanError, match="does not model multi-latent attention or dense layers among MoE"):
-        plan(get_recipe(recipe), world_size=1024, device=H100)
