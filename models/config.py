@@ -144,7 +144,7 @@ class ModelConfig(BaseModel):
 
     # Multi-token prediction (DeepSeek-V3; Megatron-Core's mtp_num_layers / mtp_loss_scaling_factor,
     # its MultiTokenPredictionBlock). Each MTP layer k (1..N) on the last pipeline stage joins the
-    # previous depth's hidden state with the embedding of token i+k (RMSNorm both, concat, a
+    # previous depth's hidden state with the embedding of token i+k (each normed, concatenated, a
     # 2h -> h projection), runs one transformer layer shaped like the model's last one and the
     # shared output layer, and predicts token i+k+1. Training only: the main logits do not
     # depend on it (models.build; HF export drops it). 0 = off. DeepSeek-V3: 1 layer.

@@ -55,6 +55,17 @@ def test_mla_flops_and_params_by_hand():
     assert total_params(m) == 608 + 1024 + 1032
 
 
+def test_mtp_flops_and_params_by_hand():
+    """One MTP layer on TINY_MLA: its 2h -> h projection, a layer like the last (dense here) and the
+    logits again; parameters: three norms, the projection and the layer (embedding/output shared)."""
+    m = ModelConfig(**TINY_MLA, mtp_num_layers=1)
+    # 2 x 16 x 8 = 256 projection + 624 attention + 768 SwiGLU + 2048 logits on top of 3440.
+    assert forward_flops_per_token(m, 16) == 3440 + 256 + 624 + 768 + 2048
+    # norms 3 x 8 + projection 16 x 8 + layer 608.
+    assert mtp_params(m) == 24 + 128 + 608 and total_params(m) == 2664 + 760 == main_params(m) + 760
+    assert active_params(m) == main_params(m) == 2664  # the model card's counts exclude MTP
+
+
 @pytest.mark.parametrize("update, message", [
     (dict(v_head_dim=None), "multi_latent_attention=true needs v_head_dim"),
     (dict(multi_latent_attention=False), "q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim "
