@@ -1,6 +1,6 @@
 """Run every layout of test_mtp_parity N times against one one-rank reference.
 
-    python -m tests.pretrain.repeat_mtp --times 20          # EP2, TP2-SP, PP2, PP2-VPP2
+    python -m tests.pretrain.repeat_mtp --times 20          # EP2, TP2-SP, PP2, PP2-VPP2, DP2-ZeRO3
     python -m tests.pretrain.repeat_mtp --times 5 PP2       # one layout
 
 A multi-rank test is trusted after it passed 20 times in a row; the pytest module recomputes

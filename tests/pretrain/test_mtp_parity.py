@@ -8,7 +8,8 @@ steps, and every final weight (the MTP layer's included, read from the checkpoin
 write) within 1e-5 absolute. TP2 + SP splits the MTP layer's 2h -> h projection and its MLA
 (the embedding and hidden norms run on sequence-sharded tokens); EP2 splits its experts; PP2 and
 PP2 x VPP2 put it on the last stage, beside a synchronised copy of the embedding (Megatron-Core
-all-reduces the two copies' gradients over the embedding group).
+all-reduces the two copies' gradients over the embedding group); DP2 under ZeRO-3 (Megatron-FSDP)
+shards it with the rest.
 
 At this lr a doubled MTP gradient shows: mtp_loss_scaling_factor 0.2 instead of 0.1 (twice the
 MTP layer's gradient, and twice its share in the shared weights') moves the step-5 loss far
@@ -42,6 +43,7 @@ LAYOUTS = {  # name -> (ranks, overrides)
     "TP2-SP": (2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]),
     "PP2": (2, ["parallel.pipeline_parallel=2"]),
     "PP2-VPP2": (2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"]),
+    "DP2-ZeRO3": (2, ["parallel.sharding=zero3"]),  # Megatron-FSDP shards the MTP layer too
 }
 OPTIMIZER_PREFIXES = ("optimizer.", "chained_")
 EH_PROJ = "mtp.layers.0.eh_proj.weight"
