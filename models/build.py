@@ -9,7 +9,8 @@
      Megatron-Core's MoE router (since 0.17 it scales the aux and z-loss gradients by the
      TP x CP group's tokens itself, which our router subclass did for 0.16).
   3. one `GPTModel` (`models.documents.DocumentGPTModel`) per virtual pipeline stage, each with the pre/post-process flags of
-     its position in the pipeline, built on the current device; Llama-3.1 RoPE scaling
+     its position in the pipeline (and, with model.mtp_num_layers, Megatron-Core's MTP block on the
+     last stage: `mtp_block_spec`), built on the current device; Llama-3.1 RoPE scaling
      completed with all four of its values (`models.rope`: GPTModel passes only the factor).
   4. expert weights marked expert-parallel at every EP size (same optimizer structure).
   5. `initialize_weights`: layout-invariant values (seed, global name) -> same start for
