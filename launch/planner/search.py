@@ -203,6 +203,11 @@ def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, s
         raise PlanError(f"the planner does not model multi-latent attention or dense layers among MoE layers "
                         f"(moe_layer_freq) yet (issue 45), which {config.name} uses; size its layout by hand "
                         "(its recipe's docstring) until it does")
+    if model.mtp_num_layers:
+        # The memory model puts no MTP layer (nor its embedding copy) on the last stage.
+        raise PlanError(f"the planner does not model multi-token prediction layers yet (issue 45); plan "
+                        f"{config.name} with model.mtp_num_layers=0 and leave the last stage room for "
+                        f"{model.mtp_num_layers} more layer(s) and an embedding copy")
     candidates, invalid = enumerate_candidates(config, world_size, device, space)
     if not candidates:
         raise PlanError(

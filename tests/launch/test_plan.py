@@ -232,3 +232,9 @@ def test_qwen3_30b_a3b_plan_validates_and_its_recipe_layout_fits():
 def test_planner_refuses_mla_and_dense_first_moe_until_it_models_them(recipe):
     with pytest.raises(PlanError, match="does not model multi-latent attention or dense layers among MoE"):
         plan(get_recipe(recipe), world_size=1024, device=H100)
+
+
+def test_planner_refuses_mtp_layers_until_it_models_them():
+    recipe = apply_overrides(get_recipe("tiny-llama"), overrides=["model.mtp_num_layers=1"])
+    with pytest.raises(PlanError, match="does not model multi-token prediction layers yet"):
+        plan(recipe, world_size=2, device=H100)
