@@ -172,6 +172,10 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
         raise ToolError(str(exc)) from None
     for message in serving_warnings(model):
         warn(message)
+    # Multi-token prediction layers are training-only (models.config): the export is the main
+    # model, whose logits do not depend on them; the mapping has no rule for `mtp.*`, so they
+    # are not read. Say so rather than drop them silently.
+    dropped_mtp = sorted(k for k in reader.tensor_keys() if k.startswith("mtp."))
     token_src = _tokenizer_source(src, tokenizer, model) if with_tokenizer else None
     if with_tokenizer and token_src is None and not imported:
         raise ToolError("no tokenizer to ship: pass --tokenizer (SentencePiece .model or tokenizer.json), "
@@ -205,7 +209,8 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
         (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos), indent=2) + "\n")
     return {"output": str(Path(dst)), "architecture": architecture, "source_layout": meta.layout_name,
             "dtype": str(dtype).replace("torch.", ""), "shards": len(shards), "bytes": total,
-            "tokenizer": str(token_src) if token_src else None, "seconds": time.perf_counter() - start}
+            "tokenizer": str(token_src) if token_src else None, "seconds": time.perf_counter() - start,
+            "dropped_mtp_tensors": len(dropped_mtp), "mtp_num_layers": model.mtp_num_layers}
 
 
 def parse_size(text: str) -> int:
@@ -250,6 +255,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {summary['output']}: {summary['architecture']} ({summary['dtype']}, {summary['shards']} "
               f"shard(s), {summary['bytes'] / 1e9:.3f} GB) from {summary['source_layout']} in "
               f"{summary['seconds']:.1f} s; tokenizer: {summary['tokenizer'] or 'none'}")
+        if summary["mtp_num_layers"]:
+            print(f"note: the model's {summary['mtp_num_layers']} multi-token prediction layer(s) "
+                  f"({summary['dropped_mtp_tensors']} mtp.* tensors) are training-only and not exported; "
+                  "the exported main model's logits do not depend on them")
         return 0
 
     return run_cli(body)

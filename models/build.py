@@ -9,7 +9,8 @@
      Megatron-Core's MoE router (since 0.17 it scales the aux and z-loss gradients by the
      TP x CP group's tokens itself, which our router subclass did for 0.16).
   3. one `GPTModel` (`models.documents.DocumentGPTModel`) per virtual pipeline stage, each with the pre/post-process flags of
-     its position in the pipeline, built on the current device; Llama-3.1 RoPE scaling
+     its position in the pipeline (and, with model.mtp_num_layers, Megatron-Core's MTP block on the
+     last stage: `mtp_block_spec`), built on the current device; Llama-3.1 RoPE scaling
      completed with all four of its values (`models.rope`: GPTModel passes only the factor).
   4. expert weights marked expert-parallel at every EP size (same optimizer structure).
   5. `initialize_weights`: layout-invariant values (seed, global name) -> same start for
@@ -28,8 +29,10 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec_for_backend
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -140,6 +143,9 @@ def transformer_config(
         # as empty here but warns its own deprecation at every model build.
         cuda_graph_modules=[],
     )
+    if model.mtp_num_layers:
+        # Megatron-Core's MTP: its layers on the last pipeline stage (no custom layout).
+        kwargs.update(mtp_num_layers=model.mtp_num_layers, mtp_loss_scaling_factor=model.mtp_loss_scaling_factor)
     if runtime.fused_cross_entropy:
         # TE's fused vocab-parallel cross-entropy (logits never materialised in fp32).
         kwargs.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
@@ -256,6 +262,32 @@ def layer_spec(config: TransformerConfig, spec: Literal["te", "portable"], vp_st
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=PortableNorm)
 
 
+class _PortableBackend(LocalSpecProvider):
+    """Megatron-Core's local modules with `PortableNorm` as every norm (the MTP layer's
+    hidden/embedding/final norms run on sequence-sharded tokens under SP, which the local
+    spec's WrappedTorchNorm refuses)."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        return PortableNorm
+
+
+def mtp_block_spec(config: TransformerConfig, block: TransformerBlockSubmodules, spec: Literal["te", "portable"],
+                   vp_stage: Optional[int]) -> Optional[MultiTokenPredictionBlockSubmodules]:
+    """The MTP layers of this chunk (None on all but the last pipeline stage, or without MTP):
+    upstream's `get_gpt_mtp_block_spec_for_backend`, whose transformer layer is `block`'s last
+    (DeepSeek-V3's MTP layer is a MoE layer like its last decoder layer), with TE's modules
+    on `te` and ours on `portable`."""
+    if not config.mtp_num_layers:
+        return None
+    if spec == "te":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        backend = _PortableBackend()
+    return get_gpt_mtp_block_spec_for_backend(config, block, backend, vp_stage=vp_stage)
+
+
 def _portable_layer(config: TransformerConfig, num_experts: Optional[int]) -> ModuleSpec:
     """One portable transformer layer (dense MLP when num_experts is None)."""
     mla = config.multi_latent_attention
@@ -302,11 +334,13 @@ def build_model_chunks(model: ModelConfig, layout: ParallelLayout, runtime: Runt
     chunks = []
     for vp_stage in range(layout.vpp):
         vp = vp_stage if layout.virtual_pipeline else None
+        block = layer_spec(config, resolved, vp)
         gpt = DocumentGPTModel(
             reset_position_ids=reset_position_ids,
             packed=resolved == "te",  # document masking as THD packed sequences (TE's attention)
             config=config,
-            transformer_layer_spec=layer_spec(config, resolved, vp),
+            transformer_layer_spec=block,
+            mtp_block_spec=mtp_block_spec(config, block, resolved, vp),
             vocab_size=model.padded_vocab_size,
             max_sequence_length=model.max_seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

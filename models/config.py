@@ -142,6 +142,17 @@ class ModelConfig(BaseModel):
     # Pad every expert's input to its capacity (fixed shapes); needs moe_capacity_factor.
     moe_pad_to_capacity: bool = False
 
+    # Multi-token prediction (DeepSeek-V3; Megatron-Core's mtp_num_layers / mtp_loss_scaling_factor,
+    # its MultiTokenPredictionBlock). Each MTP layer k (1..N) on the last pipeline stage joins the
+    # previous depth's hidden state with the embedding of token i+k (each normed, concatenated, a
+    # 2h -> h projection), runs one transformer layer shaped like the model's last one and the
+    # shared output layer, and predicts token i+k+1. Training only: the main logits do not
+    # depend on it (models.build; HF export drops it). 0 = off. DeepSeek-V3: 1 layer.
+    mtp_num_layers: int = Field(default=0, ge=0)
+    # The MTP losses' weight in the training loss: scaling_factor / N per layer (DeepSeek-V3's
+    # lambda: 0.3 early, 0.1 later). 0.1 is Megatron-Core's default.
+    mtp_loss_scaling_factor: float = Field(default=0.1, gt=0)
+
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
         if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
@@ -224,6 +235,10 @@ class ModelConfig(BaseModel):
                              f"{self.hidden_size}; the base is the small proxy model's width (<= hidden_size)")
         if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
             raise ValueError("moe_pad_to_capacity=true needs moe_capacity_factor (the capacity to pad to)")
+        if self.mtp_loss_scaling_factor != 0.1 and not self.mtp_num_layers:
+            # Megatron-Core reads it only with MTP layers: it would silently do nothing.
+            raise ValueError("mtp_loss_scaling_factor is set but mtp_num_layers=0; set mtp_num_layers (DeepSeek-V3: 1) "
+                             "or remove it")
         return self
 
     def _check_router(self) -> None:
@@ -413,9 +428,10 @@ _TINY_QWEN3_MOE = _TINY_QWEN3.model_copy(update=dict(
 # qk_nope 128 + qk_rope 64, v 128; 256 routed experts of 2048 + 1 shared of 2048, top-8 of 8
 # groups (4 chosen), sigmoid scores with the aux-loss-free bias, routed_scaling_factor 2.5; the
 # first 3 layers dense (first_k_dense_replace) with intermediate 18432; vocab 129280, rms eps
-# 1e-6, untied). Not modelled yet: YaRN (the released model's rope_scaling: factor 40, 128K
-# context; transformers' default is plain RoPE at 4096), multi-token prediction (its one MTP
-# layer), and the sequence-wise balance loss (alpha 1e-4): moe_aux_loss_coeff is 0.
+# 1e-6, untied; num_nextn_predict_layers 1: one multi-token prediction layer, a MoE layer like the
+# last, training only). Not modelled yet: YaRN (the released model's rope_scaling: factor 40, 128K
+# context; transformers' default is plain RoPE at 4096), and the sequence-wise balance loss
+# (alpha 1e-4): moe_aux_loss_coeff is 0.
 _DEEPSEEK_V3 = ModelConfig(
     num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
     vocab_size=129280, max_seq_length=4096, norm_eps=1e-6, rope_base=10000.0,
@@ -424,7 +440,7 @@ _DEEPSEEK_V3 = ModelConfig(
     num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_hidden_size=2048,
     moe_router_num_groups=8, moe_router_group_topk=4, moe_router_score_function="sigmoid",
     moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.0,
-    moe_layer_freq=[0] * 3 + [1] * 58,
+    moe_layer_freq=[0] * 3 + [1] * 58, mtp_num_layers=1,
 )
 # DeepSeek-V3's parts at tiny-llama's size: MLA (q latent 64, kv latent 32, heads of 16 + 8 RoPE
 # for q/k and 16 for v), layer 1 dense (ffn 256), layers 2-4 with 8 routed experts of 32 (top-2

@@ -101,7 +101,9 @@ def output_params(m: ModelConfig) -> int:
     return count
 
 
-def total_params(m: ModelConfig) -> int:
+def main_params(m: ModelConfig) -> int:
+    """The model without its MTP layers: what serves, what HF exports, what model cards call
+    the size (DeepSeek-V3's 671B)."""
     moe_layers = m.num_moe_layers
     layers = (m.num_layers - moe_layers) * layer_params(m, False)
     if moe_layers:
@@ -109,14 +111,36 @@ def total_params(m: ModelConfig) -> int:
     return embedding_params(m) + layers + output_params(m)
 
 
+def mtp_layer_is_moe(m: ModelConfig) -> bool:
+    """Megatron-Core builds each MTP layer's transformer layer from the decoder's last layer spec."""
+    return bool(m.moe_layer_pattern and m.moe_layer_pattern[-1])
+
+
+def mtp_params(m: ModelConfig) -> int:
+    """Multi-token prediction layers (training only; 0 without them). Per layer: two input
+    norms (hidden, embedding), the 2h -> h projection, one transformer layer shaped like the
+    decoder's last, and a final norm. The embedding and output layer are the model's own
+    (shared; a PP > 1 last stage holds a synchronised copy of the embedding, not counted)."""
+    h = m.hidden_size
+    per_layer = 3 * norm_params(m) + 2 * h * h + layer_params(m, mtp_layer_is_moe(m))
+    return m.mtp_num_layers * per_layer
+
+
+def total_params(m: ModelConfig) -> int:
+    """Every parameter training builds: `main_params` + `mtp_params`. DeepSeek-V3: 671B + 11.6B;
+    DeepSeek's 685B also counts the MTP module's own copies of the embedding and output head."""
+    return main_params(m) + mtp_params(m)
+
+
 def active_params(m: ModelConfig) -> int:
-    """Parameters one token goes through: total_params less the routed experts it skips
-    (E - k per layer); the "activated" count of MoE model cards. The router, shared expert,
-    embedding and output layer all count. Equals total_params for a dense model."""
+    """Parameters one token goes through in the main model: main_params less the routed
+    experts it skips (E - k per layer); the "activated" count of MoE model cards (MTP layers
+    excluded, as there). The router, shared expert, embedding and output layer all count.
+    Equals main_params for a dense model."""
     if not m.is_moe:
-        return total_params(m)
+        return main_params(m)
     skipped = m.num_experts - m.moe_router_topk
-    return total_params(m) - m.num_moe_layers * skipped * mlp_params(m, m.expert_ffn_hidden_size)
+    return main_params(m) - m.num_moe_layers * skipped * mlp_params(m, m.expert_ffn_hidden_size)
 
 
 def document_attention_fraction(document_lengths, seq_length: int) -> float:
@@ -151,15 +175,28 @@ def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True
     MLA replaces the projections by 2 x its weight matrices and uses its head sizes
     (`mla_attention_matrices`).
     Logits: 2 h V.
+    MTP layers (model.mtp_num_layers, training only): each adds its 2h -> h projection
+    (2 x 2h x h), one layer like the decoder's last, and the logits again.
     d is the head size (kv_channels), which need not be h / n (Qwen3-0.6B: h 1024, n d 2048).
     Norms (q/k norms too) are elementwise, O(h) per token, and not counted, as in Megatron-LM.
     `attention_fraction` scales the two attention terms: the share of the causal work that
     document masking leaves (`document_attention_fraction`); 1.0 = the dense formula, which
     MFU is reported against (the convention of PaLM and Megatron-LM, comparable across data).
     """
+    attention, dense, moe = _layer_flops(m, seq_length, (0.5 if causal else 1.0) * attention_fraction)
+    moe_layers = m.num_moe_layers
+    mlp = (m.num_layers - moe_layers) * dense + moe_layers * moe
+    logits = 2 * m.hidden_size * m.padded_vocab_size
+    main = m.num_layers * attention + mlp + logits
+    # MTP (training only), per layer: the 2h -> h projection, one layer like the decoder's last,
+    # and the shared output layer's logits again.
+    mtp = 2 * 2 * m.hidden_size ** 2 + attention + (moe if mtp_layer_is_moe(m) else dense) + logits
+    return main + m.mtp_num_layers * mtp
+
+
+def _layer_flops(m: ModelConfig, seq_length: int, attn_factor: float) -> tuple[float, float, float]:
+    """(attention, dense MLP, MoE MLP) forward FLOPs per token of one layer (see above)."""
     h, n, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
-    attn_factor = 0.5 if causal else 1.0
-    attn_factor *= attention_fraction
     if m.multi_latent_attention:
         # Every projection once per token (2 x its weights); scores over q/k heads of
         # qk_head_dim + qk_pos_emb_head_dim, weighted values over v_head_dim.
@@ -168,14 +205,12 @@ def forward_flops_per_token(m: ModelConfig, seq_length: int, causal: bool = True
         attention = 2 * h * (n * d + 2 * g * d) + 2 * 2 * seq_length * n * d * attn_factor + 2 * n * d * h
     mats = 3 if m.gated else 2
     dense = 2 * h * m.ffn_hidden_size * mats
-    moe_layers = m.num_moe_layers
-    mlp = (m.num_layers - moe_layers) * dense
+    moe = 0.0
     if m.is_moe:
         moe = m.moe_router_topk * 2 * h * m.expert_ffn_hidden_size * mats + 2 * h * m.num_experts
         if m.moe_shared_expert_hidden_size:
             moe += 2 * h * m.moe_shared_expert_hidden_size * mats
-        mlp += moe_layers * moe
-    return m.num_layers * attention + mlp + 2 * h * m.padded_vocab_size
+    return attention, dense, moe
 
 
 def training_flops_per_token(m: ModelConfig, seq_length: int, attention_fraction: float = 1.0) -> float:

@@ -153,7 +153,9 @@ def _setup_distributed(config: ExperimentConfig, world_size: int, spec: str, res
         stragglers=(StragglerReport(config.logging.straggler_interval, timers, _pipeline_rank(), start_step)
                     if config.logging.straggler_interval else None),
         tracker_runs=_share_tracker_runs(trackers.run_ids(), log_rank) if tracking else None,
-        expert_load=(ExpertLoad(state.model, config.model.num_layers, config.model.num_experts, collective_device())
+        # (MTP layers' routers count in the rows after the decoder's: pretrain.moe_load.)
+        expert_load=(ExpertLoad(state.model, config.model.num_layers + config.model.mtp_num_layers,
+                                config.model.num_experts, collective_device())
                      if config.model.is_moe else None),
     )
 
@@ -277,9 +279,15 @@ def _step_metrics(run: Run, step: int, result, step_time: float, skipped_total: 
         peak_mem_gb=peak_memory_gb(), overhead_frac=max(0.0, 1.0 - result.compute_time_s / step_time),
         skipped=result.skipped, skipped_steps=skipped_total, loss_scale=result.loss_scale,
         moe_aux_loss=result.moe_aux_loss, moe_z_loss=result.moe_z_loss, attention_fraction=result.attention_fraction,
-        moe_aux_loss_layers=result.moe_aux_loss_layers, **expert_load,
+        moe_aux_loss_layers=result.moe_aux_loss_layers, **expert_load, **_mtp_metrics(result.mtp_loss_layers),
         **(stragglers.metrics() if stragglers else {}),
     )
+
+
+def _mtp_metrics(layers: Optional[list[float]]) -> dict:
+    if not layers:
+        return {}
+    return {"mtp_loss": sum(layers) / len(layers), "mtp_loss_layers": layers}
 
 
 def _run_eval(run: Run, step: int, begin_batch) -> None:

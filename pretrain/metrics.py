@@ -96,6 +96,10 @@ class StepMetrics:
     moe_load_max: Optional[list[float]] = None
     moe_load_min: Optional[list[float]] = None
     moe_load_cv: Optional[list[float]] = None
+    # Multi-token prediction (model.mtp_num_layers): the MTP cross-entropy (predicting token i+k+1,
+    # before mtp_loss_scaling_factor), mean over MTP layers, and per layer.
+    mtp_loss: Optional[float] = None
+    mtp_loss_layers: Optional[list[float]] = None
     # Document masking (data.reset_attention_mask): the share of dense causal attention work
     # that ran (models.flops.document_attention_fraction, mean over the logging rank's
     # samples). tflops_per_device and mfu still count the dense formula (see README).
@@ -199,6 +203,7 @@ def format_line(m: StepMetrics, total_steps: int) -> str:
     parts = [
         f"step {m.step:>{width}}/{total_steps}",
         f"loss {m.loss:.4f}",
+        *([f"mtp {m.mtp_loss:.4f}"] if m.mtp_loss is not None else []),
         f"lr {m.lr:.2e}",
         f"gnorm {m.grad_norm:.3f}" if m.grad_norm is not None else "gnorm   n/a",
         f"{m.step_time_s * 1000:7.1f} ms",

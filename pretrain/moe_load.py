@@ -5,7 +5,8 @@ z-loss); it counts tokens per expert only when the aux-loss-free bias is on
 (`TopKRouter.local_tokens_per_expert`, zeroed by `finalize_model_grads` every step). So we
 count ourselves: a forward hook on every `TopKRouter` adds its routing map's column sums
 (the tokens each expert received) to a [num_layers, num_experts] tensor, row = the layer's
-global number (VPP chunks and PP stages fill their own rows).
+global number (VPP chunks and PP stages fill their own rows); MTP layers' routers
+(model.mtp_num_layers) take the rows after the decoder's, as Megatron-Core's tracker numbers them.
 
 Layout invariance: each rank routes distinct tokens (MoE under TP needs sequence
 parallelism, CP splits the sequence, DP/EP split the batch) and each layer lives on one PP
@@ -43,8 +44,11 @@ class ExpertLoad:
         if not torch.is_grad_enabled():
             return
         routing_map = output[1]
+        # An MTP layer's router numbers itself from 1 within the MTP block; Megatron-Core's own
+        # tracker files it after the decoder's layers (router.py), and so do we: its rows follow.
+        row = router.layer_number - 1 + (router.config.num_layers if router.is_mtp_layer else 0)
         with torch.no_grad():
-            self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts.dtype)
+            self.counts[row] += routing_map.sum(dim=0).to(self.counts.dtype)
 
     def take(self) -> dict[str, list[float]]:
         """Every rank calls this at the same steps (one all-reduce); per MoE layer (in layer

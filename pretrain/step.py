@@ -92,16 +92,41 @@ def _reduce_loss(losses: list[dict]) -> Optional[float]:
     return None if total is None else (total[0] / total[1].clamp(min=1)).item()
 
 
-def _agree(losses: list[dict], grads_bad: bool) -> tuple[float, bool]:
+def _agree(losses: list[dict], grads_bad: bool, mtp: Optional[list[float]] = None,
+           mtp_layers: int = 0) -> tuple[float, bool, Optional[list[float]]]:
     """One collective per step: every rank learns the step's loss (from the last stage; NaN if
-    it is not finite) and whether any rank's gradients are non-finite."""
+    it is not finite), whether any rank's gradients are non-finite, and the MTP losses (from
+    the last stage: `mtp_layers` values, None without MTP)."""
     total = _loss_sums(losses)
     loss = (total[0] / total[1].clamp(min=1)).item() if total is not None else float("-inf")
     bad_loss = not math.isfinite(loss) and total is not None
-    flags = torch.tensor([loss if not bad_loss else float("-inf"), float(grads_bad), float(bad_loss)],
+    carried = mtp if mtp is not None else [float("-inf")] * mtp_layers  # MAX keeps the last stage's
+    flags = torch.tensor([loss if not bad_loss else float("-inf"), float(grads_bad), float(bad_loss), *carried],
                          dtype=torch.float64, device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return (float("nan") if flags[2].item() else flags[0].item()), bool(flags[1].item())
+    agreed = flags[3:].tolist() if mtp_layers else None
+    return (float("nan") if flags[2].item() else flags[0].item()), bool(flags[1].item()), agreed
+
+
+def mtp_losses(config: ExperimentConfig, num_microbatches: int) -> Optional[list[float]]:
+    """The step's MTP losses, one per MTP layer (the cross-entropy of predicting token i+k+1,
+    without mtp_loss_scaling_factor), from Megatron-Core's own tracker, then reset.
+
+    `process_mtp_loss` adds each micro-batch's mean loss to `MTPLossLoggingHelper.tracker` on
+    the last pipeline stage; its `track_mtp_metrics` (Megatron-LM's logging call) averages them
+    over DP x CP and scales by 1 / micro-batches: the mean of the micro-batch means, the same
+    for every split of a global batch into micro-batches of one size. None on other stages.
+    """
+    if not config.model.mtp_num_layers:
+        return None
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    totals: dict = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_microbatches, 0, None, total_loss_dict=totals)
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    if not totals:
+        return None
+    return [float(totals[f"mtp_{k} loss"]) for k in range(1, config.model.mtp_num_layers + 1)]
 
 
 @dataclasses.dataclass
@@ -120,6 +145,8 @@ class StepResult:
     moe_aux_loss: Optional[float] = None
     moe_z_loss: Optional[float] = None
     moe_aux_loss_layers: Optional[list[float]] = None  # the load-balancing loss per MoE layer
+    # Multi-token prediction (model.mtp_num_layers): each MTP layer's loss (see mtp_losses).
+    mtp_loss_layers: Optional[list[float]] = None
     # Document masking: mean share of the dense causal attention work that ran, over this
     # rank's samples of the step (None when attention is not reset at documents).
     attention_fraction: Optional[float] = None
@@ -160,7 +187,8 @@ def moe_router_losses(config: ExperimentConfig, num_microbatches: int) -> tuple[
     """Megatron-Core's per-layer MoE loss tracker, reduced and reset (pretrain.moe_load)."""
     if not config.model.is_moe:
         return {}, {}
-    return router_losses(config.model.num_layers, num_microbatches)
+    # MTP layers' routers record after the decoder's layers (Megatron-Core's router.py).
+    return router_losses(config.model.num_layers + config.model.mtp_num_layers, num_microbatches)
 
 
 def _local_grads_bad(state: TrainingState) -> bool:
@@ -217,7 +245,9 @@ def train_step(state: TrainingState, iterators: list, config: ExperimentConfig,
     if runtime.inject_hang_step == step and runtime.inject_hang_rank == dist.get_rank():
         injected_hang(step, runtime.inject_hang_seconds)
     fp16 = config.runtime.dtype == "fp16"
-    loss, grads_bad = _agree(losses, grads_bad=not fp16 and _local_grads_bad(state))
+    loss, grads_bad, moe["mtp_loss_layers"] = _agree(
+        losses, not fp16 and _local_grads_bad(state), mtp_losses(config, num_microbatches),
+        config.model.mtp_num_layers)
     # The LR this step's update uses (or would have used): read before the scheduler steps
     # to the next step's value, so metrics.jsonl's lr at step k is step k's.
     lr = state.optimizer.param_groups[0]["lr"]

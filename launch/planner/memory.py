@@ -27,7 +27,8 @@ from launch.planner import muon as _muon
 from launch.planner.fsdp_buckets import fsdp_held_elements
 from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
 from models.config import ModelConfig
-from models.flops import embedding_params, layer_params, mlp_params, norm_params, output_params, qk_norm_params
+from models.flops import (embedding_params, layer_params, mlp_params, mtp_layer_is_moe, norm_params, output_params,
+                          qk_norm_params)
 from models.layout import pipeline_split
 
 GIB = 2**30
@@ -182,7 +183,25 @@ def params_on_rank(c: Candidate, stage: int) -> RankParams:
         dense += embedding_params_on_rank(m, c.tp)
     if stage == c.pp - 1:
         dense += output_params_on_rank(m, c.tp, c.pp)
+        if m.mtp_num_layers:
+            mtp_dense, mtp_expert = mtp_params_on_rank(c)
+            dense, expert = dense + mtp_dense, expert + mtp_expert
     return RankParams(dense=dense, expert=expert)
+
+
+def mtp_params_on_rank(c: Candidate) -> tuple[int, int]:
+    """(dense, expert) parameters of the multi-token prediction layers, which Megatron-Core 0.19
+    puts on the last pipeline stage: per layer its three norms (replicated), the 2h -> h
+    projection (column-parallel, h x 2h / t) and one transformer layer shaped like the
+    decoder's last; at PP > 1 the stage also builds its own copy of the word embedding
+    (GPTModel: `pre_process or mtp_process`), kept in sync like a tied output layer."""
+    m, te = c.model, c.flash_attention
+    moe = mtp_layer_is_moe(m)
+    h = m.hidden_size
+    dense = 3 * norm_params(m) + 2 * h * h // c.tp + dense_layer_params_on_rank(m, c.tp, moe, te)
+    expert = expert_layer_params_on_rank(m, c.ep, c.etp) if moe else 0
+    copy = embedding_params_on_rank(m, c.tp) if c.pp > 1 else 0
+    return m.mtp_num_layers * dense + copy, m.mtp_num_layers * expert
 
 
 # --------------------------------------------------------------------------------------
@@ -487,8 +506,21 @@ def activation_bytes(c: Candidate, stage: int) -> float:
     if stage == 0:
         total += -(-chunks // c.vpp) * embedding_activation_bytes(c)
     if stage == c.pp - 1:
-        total += output_activation_bytes(c)
+        total += output_activation_bytes(c) + mtp_activation_bytes(c)
     return total
+
+
+def mtp_activation_bytes(c: Candidate) -> float:
+    """Last stage, one microbatch: per multi-token prediction layer its two norms' inputs and
+    the projection's 2h input (e T h / z each, 4 in all), one layer like the decoder's last,
+    and the output layer and loss again (output_activation_bytes). An estimate: the 1% check
+    against Megatron-Core covers static memory, not activations."""
+    m = c.model
+    if not m.mtp_num_layers:
+        return 0.0
+    per_layer = (4 * c.act_bytes * _tokens(c) * m.hidden_size / _sp(c)
+                 + layer_activation_bytes(c, mtp_layer_is_moe(m)) + output_activation_bytes(c))
+    return m.mtp_num_layers * per_layer
 
 
 # --------------------------------------------------------------------------------------

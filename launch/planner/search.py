@@ -219,19 +219,20 @@ def _unmodelled_for_mla(config: ExperimentConfig, space: SearchSpace) -> SearchS
     only those stages were asked for, or for Muon / Lion (launch.planner.muon: the same)."""
     model = config.model
     mixed = model.is_moe and 0 in model.moe_layer_pattern
-    if not (model.multi_latent_attention or mixed):
+    if not (model.multi_latent_attention or mixed or model.mtp_num_layers):
         return space
+    what = ("multi-latent attention, dense layers among MoE layers or multi-token prediction layers "
+            "(model.mtp_num_layers)")
     if config.optimizer.name in ("muon", "lion"):
         # launch.planner.muon lists a GQA layer's parameters for every layer.
-        raise PlanError(f"the planner does not model optimizer.name={config.optimizer.name} for multi-latent "
-                        f"attention or dense layers among MoE layers, which {config.name} uses; plan it with "
-                        "optimizer.name=adamw")
+        raise PlanError(f"the planner does not model optimizer.name={config.optimizer.name} for {what}, which "
+                        f"{config.name} uses; plan it with optimizer.name=adamw")
     if not any(z >= 2 for z in space.zero):
         return space
     kept = tuple(z for z in space.zero if z < 2)
     if not kept:
-        raise PlanError(f"the planner does not model ZeRO-2/3 (Megatron-FSDP buckets) for multi-latent attention "
-                        f"or dense layers among MoE layers, which {config.name} uses; plan with --zero 0 1")
+        raise PlanError(f"the planner does not model ZeRO-2/3 (Megatron-FSDP buckets) for {what}, which "
+                        f"{config.name} uses; plan with --zero 0 1")
     return dataclasses.replace(space, zero=kept)
 
 

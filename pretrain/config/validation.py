@@ -85,6 +85,7 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
             f"({layout.context_parallel}) and then TP ({layout.tensor_parallel}) evenly: use a multiple of {step} "
             f"(e.g. {valid}), or parallel.sequence_parallel=false")
     _check_precision(config)
+    _check_mtp(config)
     if config.runtime.spec == "portable":
         check_spec_support(config, "portable")
     _check_sharding(config)
@@ -186,6 +187,24 @@ def _check_precision(config: ExperimentConfig) -> None:
                         "set optimizer.overlap_param_gather=false")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _check_mtp(config: ExperimentConfig) -> None:
+    """Multi-token prediction (model.mtp_num_layers) where this stack runs it: Megatron-Core 0.19
+    puts every MTP layer on the last pipeline stage (its last virtual stage under VPP; no custom
+    pipeline layout here), so TP/SP, PP, VPP, EP and DP all work; what is refused is what its
+    token shift (roll_tensor) or our tests do not cover."""
+    model, layout, data = config.model, config.parallel, config.data
+    if not model.mtp_num_layers:
+        return
+    if data.reset_attention_mask or data.reset_position_ids:
+        # MTP shifts the sequence by one token per layer across document boundaries on the
+        # mask path; only THD packed sequences (te) shift per document, and that is untested.
+        raise ConfigError("model.mtp_num_layers with document masking (data.reset_attention_mask / "
+                          "reset_position_ids) is not supported; set both false, or model.mtp_num_layers=0")
+    if layout.context_parallel > 1:
+        raise ConfigError(f"model.mtp_num_layers at context_parallel={layout.context_parallel} is not supported here "
+                          "(untested); MTP runs with TP/SP, PP/VPP, EP and DP: set parallel.context_parallel=1")
 
 
 def check_document_masking(config: ExperimentConfig, spec: str) -> None:

@@ -4,7 +4,8 @@ Static memory (params, fp32 grad buffer, fp32 main params, Adam moments) must eq
 bytes allocated through `pretrain.wrap.wrap_for_training` within 1% for every layout of
 the matrix: TP, PP, VPP, DP, EP, distributed optimizer on/off, ZeRO-2/3 and HSDP
 (Megatron-FSDP's padded buffers), fp32 and bf16, tied embeddings, biases, MoE, DeepSeek-style
-MLA with a dense layer among MoE layers and a shared expert (tiny-deepseek); and for
+MLA with a dense layer among MoE layers and a shared expert (tiny-deepseek), multi-token
+prediction layers (model.mtp_num_layers); and for
 optimizer.name=muon (Muon's momentum + AdamW's moments, unsharded and under Megatron-Core's
 layer-wise distributed optimizer at DP2: launch.planner.muon) and optimizer.name=lion (one
 momentum per element, the same wrapping).
@@ -53,6 +54,10 @@ STATIC = {  # world size -> (flavor, overrides)
         ("tiny-deepseek", [TP2, SP, BF16]),
         ("tiny-deepseek", ["parallel.pipeline_parallel=2", BF16]),  # stage 0: the dense layer + 1 MoE
         ("tiny-deepseek", ["parallel.expert_parallel=2", BF16]),  # routed experts split, shared expert not
+        # Multi-token prediction: its layer (MoE, like the decoder's last), projection and norms on
+        # the last stage, with that stage's own copy of the word embedding at PP > 1.
+        ("tiny-deepseek", ["model.mtp_num_layers=1", "parallel.pipeline_parallel=2", BF16]),
+        ("tiny-llama", ["model.mtp_num_layers=1", TP2, FP32]),  # a dense MTP layer, projection split over TP
     ],
     4: [
         ("tiny-llama", [TP2, BF16]),  # TP2 x DP2

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from models.config import FLAVORS, ModelConfig, get_flavor
-from models.flops import active_params, attention_params, forward_flops_per_token, total_params
+from models.flops import (active_params, attention_params, forward_flops_per_token, layer_params, main_params,
+                          mtp_params, total_params)
 from models.layout import LayoutError, ParallelLayout, validate_layout
 
 TINY_MLA = dict(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, vocab_size=128,
@@ -22,15 +23,25 @@ def test_every_flavor_passes_validation(name):
 
 
 def test_deepseek_v3_counts_671b_total_37b_active():
-    """DeepSeek-V3's report: 671B total parameters (MTP module excluded), 37B activated per token."""
+    """DeepSeek-V3's report: 671B total parameters (MTP module excluded), 37B activated per token;
+    685B with the MTP module ("14B", the rounded difference). Ours: one MoE layer like the last,
+    the 2h -> h projection and three norms = 11.6B; the released checkpoint's MTP layer also holds
+    its own copies of the embedding and output head (2 x 129280 x 7168 = 1.85B), which ours shares:
+    with them 13.5B, 684.5B in all."""
     m = FLAVORS["deepseek-v3"]
-    assert total_params(m) / 1e9 == pytest.approx(671, abs=0.5)
+    assert m.mtp_num_layers == 1
+    assert main_params(m) / 1e9 == pytest.approx(671, abs=0.5)
+    h = 7168
+    assert mtp_params(m) == 3 * h + 2 * h * h + layer_params(m, True)
+    assert (mtp_params(m) + 2 * 129280 * h) / 1e9 == pytest.approx(13.5, abs=0.05)
+    assert total_params(m) == main_params(m) + mtp_params(m)
+    assert (total_params(m) + 2 * 129280 * h) / 1e9 == pytest.approx(685, abs=0.6)
     assert active_params(m) / 1e9 == pytest.approx(37, abs=0.6)
     # One MLA layer by hand: q 7168x1536 + 1536x(128 x 192), kv 7168x(512+64) + 512x(128 x 256),
     # output 128*128 x 7168, latent norms 1536 + 512.
     assert attention_params(m) == 11_010_048 + 37_748_736 + 4_128_768 + 16_777_216 + 117_440_512 + 2048
     # A token skips 248 of 256 routed experts (3 x 7168 x 2048 each) in 58 MoE layers.
-    assert total_params(m) - active_params(m) == 58 * 248 * 3 * 7168 * 2048
+    assert main_params(m) - active_params(m) == 58 * 248 * 3 * 7168 * 2048
     assert m.moe_layer_pattern[:4] == [0, 0, 0, 1] and m.num_moe_layers == 58
 
 
@@ -42,6 +53,17 @@ def test_mla_flops_and_params_by_hand():
     assert forward_flops_per_token(m, 16) == 3440
     # layer: norms 16 + attention 200 + latent norms 8 + mlp 384 = 608; embedding 1024, output 1024 + 8.
     assert total_params(m) == 608 + 1024 + 1032
+
+
+def test_mtp_flops_and_params_by_hand():
+    """One MTP layer on TINY_MLA: its 2h -> h projection, a layer like the last (dense here) and the
+    logits again; parameters: three norms, the projection and the layer (embedding/output shared)."""
+    m = ModelConfig(**TINY_MLA, mtp_num_layers=1)
+    # 2 x 16 x 8 = 256 projection + 624 attention + 768 SwiGLU + 2048 logits on top of 3440.
+    assert forward_flops_per_token(m, 16) == 3440 + 256 + 624 + 768 + 2048
+    # norms 3 x 8 + projection 16 x 8 + layer 608.
+    assert mtp_params(m) == 24 + 128 + 608 and total_params(m) == 2664 + 760 == main_params(m) + 760
+    assert active_params(m) == main_params(m) == 2664  # the model card's counts exclude MTP
 
 
 @pytest.mark.parametrize("update, message", [

@@ -1,0 +1,74 @@
+"""Run every layout of test_mtp_parity N times against one one-rank reference.
+
+    python -m tests.pretrain.repeat_mtp --times 20          # EP2, TP2-SP, PP2, PP2-VPP2, DP2-ZeRO3
+    python -m tests.pretrain.repeat_mtp --times 5 PP2       # one layout
+
+A multi-rank test is trusted after it passed 20 times in a row; the pytest module recomputes
+its reference every time, this computes it once. Each repetition trains 5 steps and checks
+what the test checks: per-step loss, MTP loss and grad norm within 1e-5 relative, every final
+weight (the MTP layer's included) within 1e-5; a crash counts as a failure. Prints one line
+per run and a table of failure counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.compare import relative_differences
+from tests.distributed import RankFailure
+from tests.pretrain.test_mtp_parity import LAYOUTS, _run
+
+
+def _compare(got: dict, want: dict) -> str | None:
+    """None when `got` matches the reference, else what differs."""
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        worst = max(relative_differences(got[key], want[key], what=key))
+        if worst > 1e-5:
+            return f"{key} off by {worst:.2e} relative"
+    if sorted(got["weights"]) != sorted(want["weights"]):
+        return "the checkpoints hold different model tensors"
+    worst = max((got["weights"][k] - want["weights"][k]).abs().max().item() for k in want["weights"])
+    return None if worst <= 1e-5 else f"weights off by {worst:.2e}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--times", type=int, default=20)
+    parser.add_argument("layouts", nargs="*", metavar="LAYOUT", help=f"default: all of {', '.join(LAYOUTS)}")
+    args = parser.parse_args(argv)
+    names = args.layouts or list(LAYOUTS)
+    unknown = [name for name in names if name not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(LAYOUTS)}")
+    failures: dict[str, list[str]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory(prefix="repeat-mtp-") as tmp:
+        root = Path(tmp)
+        ref = _run(root, "ref", 1, [])
+        for i in range(args.times):
+            for name in names:
+                nproc, extra = LAYOUTS[name]
+                start = time.monotonic()
+                try:
+                    problem = _compare(_run(root, f"{name}-{i}", nproc, extra), ref)
+                    shutil.rmtree(root / f"{name}-{i}")
+                except RankFailure as exc:
+                    problem = f"crashed: {str(exc).splitlines()[0]}"
+                if problem:
+                    failures[name].append(f"run {i + 1}: {problem}")
+                print(f"{name} run {i + 1}/{args.times}: {problem or 'ok'} ({time.monotonic() - start:.0f} s)",
+                      flush=True)
+    print(f"\n{'layout':<12} failures")
+    for name in names:
+        print(f"{name:<12} {len(failures[name])}/{args.times}")
+        for line in failures[name]:
+            print(f"    {line}")
+    return 1 if any(failures.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
