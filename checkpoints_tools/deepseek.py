@@ -212,6 +212,9 @@ def to_hf_config(model: ModelConfig) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_base},
         "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0,
         "num_nextn_predict_layers": 0, "pretraining_tp": 1,
+        # Not DeepseekV3Config fields, but what the released config.json says and vLLM reads: without
+        # topk_method=noaux_tc vLLM builds no e_score_correction_bias and refuses the file.
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     }
 
 

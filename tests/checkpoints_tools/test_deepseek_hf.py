@@ -195,5 +195,28 @@ def test_mtp_layers_are_left_out_with_a_note(hf_models, tmp_path, capsys):
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
     code, err = run_main(import_hf, [copy, tmp_path / "ckpt"], capsys)
     assert code == 0 and "note: MTP layers are training-only; not imported" in err, err
-    export_hf.export_hf(tmp_path / "ckpt", tmp_path / "hf", with_tokenizer=False)
-    assert not any(".layers.2." in name for name in tensors_of(tmp_path / "hf"))
+    _add_mtp_tensor(tmp_path / "ckpt", tmp_path / "with-mtp-ckpt")
+    code, err = run_main(export_hf, [tmp_path / "with-mtp-ckpt", tmp_path / "hf", "--no-tokenizer"], capsys)
+    assert code == 0 and "note: MTP layers are training-only; not exported (1 tensors: mtp.layers.0." in err, err
+    exported = tensors_of(tmp_path / "hf")
+    assert not any("mtp" in name or ".layers.2." in name for name in exported)
+    assert sorted(exported) == sorted(tensors_of(hf_models["direct"]))
+
+
+def _add_mtp_tensor(src, dst) -> None:
+    """A copy of checkpoint `src` with one more tensor named as an MTP layer's would be (MTP
+    itself is another branch's: only the name matters to the export)."""
+    from checkpoints_tools.common import checkpoint_model, read_experiment_config, write_training_meta
+    from checkpoints_tools.dcp_io import CheckpointReader, read_common, write_checkpoint
+
+    meta, model = checkpoint_model(src)
+    reader = CheckpointReader(src)
+    extra = {"mtp.layers.0.eh_proj.weight": torch.randn(model.hidden_size, 2 * model.hidden_size)}
+    shapes = {key: reader.shape(key) for key in reader.tensor_keys()} | {k: tuple(v.shape) for k, v in extra.items()}
+    tensors = {key: (shape, torch.float32, [((0,) * len(shape), shape)]) for key, shape in shapes.items()}
+    objects = {key: reader.read_object(key) for key in reader.object_keys()}
+    write_checkpoint(dst, tensors, lambda key, offsets, sizes: extra[key] if key in extra else reader.read(key),
+                     objects, read_common(src))
+    write_training_meta(dst, model=model, layout=ParallelLayout(**meta.layout), world_size=meta.world_size, step=0,
+                        consumed_samples=0, has_optimizer=False, config=read_experiment_config(src, model),
+                        provenance=meta.converted_by)
