@@ -220,3 +220,18 @@ def _add_mtp_tensor(src, dst) -> None:
     write_training_meta(dst, model=model, layout=ParallelLayout(**meta.layout), world_size=meta.world_size, step=0,
                         consumed_samples=0, has_optimizer=False, config=read_experiment_config(src, model),
                         provenance=meta.converted_by)
+
+
+def test_verify_vllm_refuses_deepseek_on_the_cpu_build(hf_models, tmp_path, capsys):
+    """vLLM's CPU build loads DeepseekV3ForCausalLM but does not compute transformers' logits
+    (checkpoints_tools/verify_vllm.py CPU_UNSERVED says what was measured): one line, before any
+    model loads."""
+    from checkpoints_tools import verify_vllm
+
+    if not verify_vllm.DEFAULT_VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {verify_vllm.DEFAULT_VLLM_PYTHON} (bash dev.sh vllm-env creates it)")
+    import_hf.import_hf(hf_models["latent"], tmp_path / "ckpt")
+    export_hf.export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    code, err = verify_vllm.main([str(tmp_path / "hf")]), capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "does not serve DeepseekV3ForCausalLM as transformers computes it" in err and "576" in err, err
