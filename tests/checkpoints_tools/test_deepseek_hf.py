@@ -235,3 +235,20 @@ def test_verify_vllm_refuses_deepseek_on_the_cpu_build(hf_models, tmp_path, caps
     code, err = verify_vllm.main([str(tmp_path / "hf")]), capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "does not serve DeepseekV3ForCausalLM as transformers computes it" in err and "576" in err, err
+
+
+def test_deepseek_v3_flavor_exports_as_the_published_config():
+    """Our deepseek-v3 flavor's config.json has the published shape: transformers' DeepseekV3Config
+    defaults (which document deepseek-ai/DeepSeek-V3's config.json) field by field, plain RoPE (YaRN
+    is not modelled: nothing to export), no MTP layer exported."""
+    ours = hf_format.to_hf_config(get_flavor("deepseek-v3"), architecture="DeepseekV3ForCausalLM",
+                                  dtype=torch.bfloat16, bos_id=0, eos_id=1)
+    published = transformers.DeepseekV3Config()
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts",
+              "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+              "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace",
+              "norm_topk_prob", "rms_norm_eps", "rope_interleave", "tie_word_embeddings")
+    assert {f: ours[f] for f in fields} == {f: getattr(published, f) for f in fields}
+    assert ours["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert ours["num_nextn_predict_layers"] == 0 and hf_format.serving_warnings(get_flavor("deepseek-v3")) == []
