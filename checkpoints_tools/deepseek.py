@@ -4,10 +4,13 @@ names, shapes and config.json, as data. mapping.py / hf_format.py dispatch here 
 Facts behind the mapping (each checked by logits against transformers,
 tests/checkpoints_tools/test_deepseek_hf.py):
   - MLA names (Megatron-Core's portable spec): linear_q_down_proj = q_a_proj, q_layernorm =
-    q_a_layernorm, linear_q_up_proj = q_b_proj (or linear_q_proj = q_proj without a q latent),
+    q_a_layernorm, linear_q_up_proj = q_b_proj,
     linear_kv_down_proj = kv_a_proj_with_mqa ([kv latent; the one shared RoPE key]), kv_layernorm
     = kv_a_layernorm, linear_kv_up_proj = kv_b_proj (per head [no-RoPE key; value]), linear_proj =
-    o_proj. Row orders are the same on both sides: no transform.
+    o_proj. Row orders are the same on both sides: no transform. Without a query latent
+    (q_lora_rank None) Megatron-Core's MLA (latent norms on = its qk_layernorm) normalises the
+    query input once more, fused into linear_q_proj, where DeepSeek's q_proj has no norm (and the
+    0.19.2 local spec cannot build it): refused both ways.
   - RoPE layout: Megatron-Core's MLA always rotates interleaved pairs (x0, x1), (x2, x3), ...
     (rope_utils: mla_rotary_interleaved=True de-interleaves before rotating), which is HF's
     rope_interleave=true (apply_rotary_pos_emb_interleave, and what the released weights hold):
@@ -53,7 +56,6 @@ _Q_LATENT = (
     ("self_attention.q_layernorm.weight", ("self_attn.q_a_layernorm.weight",), "copy"),
     ("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), "copy"),
 )
-_Q_DIRECT = (("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), "copy"),)
 _DENSE = (
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
     ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "copy"),
@@ -90,8 +92,7 @@ def layer_of(key: str) -> Optional[int]:
 
 
 def _layer_parts(model: ModelConfig, moe: bool) -> tuple:
-    q = _Q_LATENT if model.q_lora_rank else _Q_DIRECT
-    return _ATTENTION[:1] + q + _ATTENTION[1:] + (_MOE if moe else _DENSE)
+    return _ATTENTION[:1] + _Q_LATENT + _ATTENTION[1:] + (_MOE if moe else _DENSE)
 
 
 def rules(model: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
@@ -117,7 +118,6 @@ def _part_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attention.linear_q_down_proj.weight": (model.q_lora_rank or 0, h),
         "self_attention.q_layernorm.weight": (model.q_lora_rank or 0,),
         "self_attention.linear_q_up_proj.weight": (heads * q_head, model.q_lora_rank or 0),
-        "self_attention.linear_q_proj.weight": (heads * q_head, h),
         "self_attention.linear_kv_down_proj.weight": (model.kv_lora_rank + model.qk_pos_emb_head_dim, h),
         "self_attention.kv_layernorm.weight": (model.kv_lora_rank,),
         "self_attention.linear_kv_up_proj.weight": (heads * (model.qk_head_dim + model.v_head_dim),
@@ -140,8 +140,7 @@ def layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 def extra_state_keys(model: ModelConfig) -> list[str]:
     """The `_extra_state` ShardedObject keys Megatron-Core saves for the decoder layers."""
     n, e, keys = model.num_layers, model.num_experts, []
-    q = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj") if model.q_lora_rank \
-        else ("self_attention.linear_q_proj",)
+    q = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj")
     for layer, moe in enumerate(model.moe_layer_pattern):
         modules = _EXTRA_ATTENTION + q + (_EXTRA_SHARED if moe else _EXTRA_DENSE)
         if numbered_layers(model):
@@ -165,6 +164,9 @@ def problems(model: ModelConfig) -> list[str]:
     if model.normalization != "RMSNorm" or model.activation != "swiglu":
         found.append(f"normalization={model.normalization}, activation={model.activation} (DeepSeek-V3: RMSNorm, "
                      "SwiGLU)")
+    if model.q_lora_rank is None:
+        found.append("q_lora_rank=None (Megatron-Core's MLA then normalises the query input in linear_q_proj; "
+                     "DeepSeek's q_proj has no norm)")
     if model.norm_eps != HF_LATENT_NORM_EPS:
         found.append(f"norm_eps={model.norm_eps:g} (transformers builds DeepSeek-V3's latent norms with eps 1e-6 "
                      "whatever rms_norm_eps says)")
@@ -230,6 +232,9 @@ def model_fields(config: dict, read_int, read_float) -> dict:
                    "only)")
     if config.get("rope_interleave", True) is not True:
         bad.append("rope_interleave=false (Megatron-Core's MLA rotates interleaved pairs; import needs true)")
+    if config.get("q_lora_rank") is None:
+        bad.append("q_lora_rank=null (Megatron-Core's MLA normalises the query input in linear_q_proj when there is "
+                   "no query latent; DeepSeek's q_proj has no norm)")
     if config.get("attention_bias") or config.get("hidden_act", "silu") != "silu":
         bad.append("attention_bias / a hidden_act other than silu")
     if read_float(config, "rms_norm_eps", 1e-6) != HF_LATENT_NORM_EPS:

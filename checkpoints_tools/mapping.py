@@ -135,7 +135,6 @@ TP_SPLIT: dict[str, tuple[int, bool]] = {
     # MLA (portable spec: column-parallel down and up projections) and DeepSeek's shared expert.
     "decoder.layers.self_attention.linear_q_down_proj.weight": (0, False),
     "decoder.layers.self_attention.linear_q_up_proj.weight": (0, False),
-    "decoder.layers.self_attention.linear_q_proj.weight": (0, False),
     "decoder.layers.self_attention.linear_kv_down_proj.weight": (0, False),
     "decoder.layers.self_attention.linear_kv_up_proj.weight": (0, False),
     "decoder.layers.mlp.shared_experts.linear_fc1.weight": (0, True),

@@ -25,18 +25,14 @@ transformers = pytest.importorskip("transformers")
 EP2_TP2 = {"expert_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}
 # latent: a query latent, layer 0 dense, 8 experts top-4 in 4 groups (2 chosen: top 4 / 2 = 2 per
 # group, as DeepSeek-V3's 8 / 4), 2 shared experts, routed_scaling_factor 2.5.
-# direct: queries projected from h (q_lora_rank None), every layer MoE (Megatron-Core's stacked
-# layers), no groups, top-2, scaling 1.
+# stacked: every layer MoE (Megatron-Core's stacked layer keys), no groups, top-2, scaling 1.
+# q_lora_rank None is refused (test_refusals: Megatron-Core's MLA would normalise the query input).
 KINDS = {
     "latent": dict(num_hidden_layers=3, q_lora_rank=48, first_k_dense_replace=1, num_experts_per_tok=4, n_group=4,
                    topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5),
-    "direct": dict(num_hidden_layers=2, q_lora_rank=None, first_k_dense_replace=0, num_experts_per_tok=2, n_group=1,
-                   topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0),
+    "stacked": dict(num_hidden_layers=2, q_lora_rank=48, first_k_dense_replace=0, num_experts_per_tok=2, n_group=1,
+                    topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0),
 }
-# direct's layers with a query latent: Megatron-Core 0.19.2's local MLA spec cannot build q_lora_rank
-# None (MLASelfAttention wants a fused norm + linear q projection there, which it has only on TE), so
-# our model's logits are checked on this one; direct is checked bitwise (names and shapes).
-KINDS["stacked"] = {**KINDS["direct"], "q_lora_rank": 48}
 
 
 def _save_hf(path, kind: str):
@@ -109,7 +105,7 @@ def test_import_computes_transformers_logits_at_ep2_tp2(hf_models, tmp_path, kin
     assert moved > 1e-3, f"the router bias changes nothing in this model ({moved}): the test could not see it"
 
 
-@pytest.mark.parametrize("kind", ["latent", "direct"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_hf_to_ours_to_hf_is_bit_identical(hf_models, tmp_path, kind):
     src = hf_models[kind]
     layout = ParallelLayout(pipeline_parallel=KINDS[kind]["num_hidden_layers"], expert_parallel=2)
@@ -174,7 +170,8 @@ def test_refusals(hf_models, tmp_path, capsys):
     for i, (extra, words) in enumerate([({"rope_parameters": yarn}, "YaRN"),
                                         ({"rope_interleave": False}, "rope_interleave=false"),
                                         ({"topk_group": 1}, "num_experts_per_tok / topk_group = 4/1"),
-                                        ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05")]):
+                                        ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+                                        ({"q_lora_rank": None}, "q_lora_rank=null")]):
         copy = shutil.copytree(src, tmp_path / f"bad-{i}")
         (copy / "config.json").write_text(json.dumps({**config, **extra}))
         code, err = run_main(import_hf, [copy, tmp_path / f"out-{i}"], capsys)
@@ -183,6 +180,7 @@ def test_refusals(hf_models, tmp_path, capsys):
     tiny = get_flavor("tiny-deepseek")
     for model, words in [(tiny, "moe_router_topk / moe_router_group_topk = 2/2"),
                          (tiny.model_copy(update={"norm_eps": 1e-5, "moe_router_group_topk": 1}), "norm_eps=1e-05"),
+                         (tiny.model_copy(update={"q_lora_rank": None, "moe_router_group_topk": 1}), "q_lora_rank=None"),
                          (tiny.model_copy(update={"moe_layer_freq": [1, 0, 1, 1], "moe_router_group_topk": 1}),
                           "moe_layer_freq=[1, 0, 1, 1]")]:
         with pytest.raises(ValueError, match="no DeepseekV3ForCausalLM equivalent") as error:
@@ -194,7 +192,7 @@ def test_refusals(hf_models, tmp_path, capsys):
 def test_mtp_layers_are_left_out_with_a_note(hf_models, tmp_path, capsys):
     """An HF directory holding DeepSeek's MTP layer (model.layers.N, N = num_hidden_layers, as the
     released files do) imports without it, saying so; an export leaves our MTP tensors out."""
-    copy = shutil.copytree(hf_models["direct"], tmp_path / "with-mtp")
+    copy = shutil.copytree(hf_models["stacked"], tmp_path / "with-mtp")
     weights = tensors_of(copy)
     weights.update({name.replace("model.layers.1.", "model.layers.2."): tensor.clone()
                     for name, tensor in weights.items() if name.startswith("model.layers.1.")})
@@ -210,7 +208,7 @@ def test_mtp_layers_are_left_out_with_a_note(hf_models, tmp_path, capsys):
     assert code == 0 and "note: MTP layers are training-only; not exported (1 tensors: mtp.layers.0." in err, err
     exported = tensors_of(tmp_path / "hf")
     assert not any("mtp" in name or ".layers.2." in name for name in exported)
-    assert sorted(exported) == sorted(tensors_of(hf_models["direct"]))
+    assert sorted(exported) == sorted(tensors_of(hf_models["stacked"]))
 
 
 def _add_mtp_tensor(src, dst) -> None:
