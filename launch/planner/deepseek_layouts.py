@@ -25,13 +25,14 @@ divides 1024 or 2048 GPUs, so its own deepseek-v3 plans have PP1.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
 from launch.planner.candidate import Candidate
 from launch.planner.devices import get_device
 from launch.planner.memory import GIB, MemoryOptions
-from launch.planner.search import Evaluation, SearchSpace, _rank_key, evaluate, rank_layouts
+from launch.planner.search import Evaluation, PlanError, SearchSpace, _rank_key, evaluate, rank_layouts
 from launch.planner.throughput import ThroughputOptions
 from models.layout import ParallelLayout
 from pretrain.config import ExperimentConfig, validate_for_world
@@ -64,12 +65,15 @@ def evaluate_row(config: ExperimentConfig, gpus: int, fields: dict) -> tuple[Eva
     device = get_device(DEVICE)
     cand = dataclasses.replace(Candidate.from_config(config, gpus), **fields)
     row = evaluate(cand, device, MemoryOptions(), ThroughputOptions())
-    plan = rank_layouts(config, world_size=gpus, device=device, space=SearchSpace(),
-                        memory_options=MemoryOptions(), throughput_options=ThroughputOptions())
+    try:
+        ranked = rank_layouts(config, world_size=gpus, device=device, space=SearchSpace(),
+                              memory_options=MemoryOptions(), throughput_options=ThroughputOptions()).ranked
+    except PlanError:  # no layout the search tries is valid there (e.g. CP, refused with MTP, was needed)
+        ranked = []
     if not row.fits:
-        return row, 0, len(plan.ranked)
-    faster = sum(1 for e in plan.ranked if _rank_key(e) < _rank_key(row))
-    return row, faster + 1, len(plan.ranked)
+        return row, 0, len(ranked)
+    faster = sum(1 for e in ranked if _rank_key(e) < _rank_key(row))
+    return row, faster + 1, len(ranked)
 
 
 def largest_terms(e: Evaluation, count: int = 3) -> str:
@@ -91,7 +95,8 @@ def table() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    del argv
+    argparse.ArgumentParser(prog="python -m launch.planner.deepseek_layouts",
+                            description=__doc__.split("\n\n")[0]).parse_args(argv)
     print(table())
     return 0
 

@@ -31,7 +31,7 @@ from launch.planner import muon as _muon
 from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
 from launch.planner.memory import (edge_stages, host_bytes, mixed_layers, moe_layers_on_stage, params_on_rank,
                                    stage_layer_kinds)
-from models.flops import forward_flops_per_token, training_flops_per_step
+from models.flops import forward_flops_per_token, mtp_layer_is_moe, training_flops_per_step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,13 +214,15 @@ def layer_kind_candidate(c: Candidate, moe: bool) -> Candidate:
 def mixed_stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOptions) -> float:
     """stage_compute_s of a model with dense layers among MoE ones (moe_layer_freq): each kind's
     layers on the stage at that kind's per-layer cost (layer_kind_candidate), the logits once
-    on the last stage."""
+    on the last stage, priced with the kind of the multi-token prediction layers (they copy the
+    decoder's last layer; models.flops counts them with the logits)."""
     last = stage == c.pp - 1
     tokens = c.seq_length * c.micro_batch / (c.tp * c.cp)
+    logits_kind = mtp_layer_is_moe(c.model) if c.model.mtp_num_layers else False
     total = 0.0
-    for index, (layers, moe) in enumerate(stage_layer_kinds(c, stage)):
+    for layers, moe in stage_layer_kinds(c, stage):
         kind = layer_kind_candidate(c, moe)
-        with_logits = last and index == 0
+        with_logits = last and moe == logits_kind
         if opts.efficiency is None:
             total += tokens * _time_per_token(kind, layers, with_logits, device, opts)
             continue
