@@ -68,7 +68,6 @@ from checkpoints_tools.mapping import (
     layer_of,
     rules_for,
     stack_indices,
-    is_optimizer_key,
     to_hf,
 )
 from checkpoints_tools.safetensors_io import plan_shards, write_index, write_safetensors

@@ -107,7 +107,7 @@ def _model_tensors(path) -> dict:
 
 
 def test_hf_export_drops_mtp_layers_with_a_note_and_matches_our_logits(trained, tmp_path):
-    transformers = pytest.importorskip("transformers")  # noqa: F841 (verify imports it)
+    pytest.importorskip("transformers")  # verify imports it
     out = tmp_path / "hf"
     done = run_module("checkpoints_tools.export_hf", [str(trained), str(out)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
