@@ -16,12 +16,11 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tests.compare import relative_differences
-from tests.distributed import RankFailure
 from tests.pretrain.test_mtp_parity import LAYOUTS, _run
+from tests.repeat import repeat_layouts
 
 
 def _compare(got: dict, want: dict) -> str | None:
@@ -45,30 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(LAYOUTS)}")
-    failures: dict[str, list[str]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="repeat-mtp-") as tmp:
         root = Path(tmp)
         ref = _run(root, "ref", 1, [])
-        for i in range(args.times):
-            for name in names:
-                nproc, extra = LAYOUTS[name]
-                start = time.monotonic()
-                try:
-                    problem = _compare(_run(root, f"{name}-{i}", nproc, extra), ref)
-                    shutil.rmtree(root / f"{name}-{i}")
-                except RankFailure as exc:
-                    problem = f"crashed: {str(exc).splitlines()[0]}"
-                if problem:
-                    failures[name].append(f"run {i + 1}: {problem}")
-                print(f"{name} run {i + 1}/{args.times}: {problem or 'ok'} ({time.monotonic() - start:.0f} s)",
-                      flush=True)
-    print(f"\n{'layout':<12} failures")
-    for name in names:
-        print(f"{name:<12} {len(failures[name])}/{args.times}")
-        for line in failures[name]:
-            print(f"    {line}")
-    return 1 if any(failures.values()) else 0
 
+        def attempt(name: str, i: int) -> str | None:
+            nproc, extra = LAYOUTS[name]
+            problem = _compare(_run(root, f"{name}-{i}", nproc, extra), ref)
+            shutil.rmtree(root / f"{name}-{i}")
+            return problem
+
+        return repeat_layouts(names, args.times, attempt)
 
 if __name__ == "__main__":
     sys.exit(main())

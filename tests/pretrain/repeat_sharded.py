@@ -17,11 +17,10 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tests.compare import relative_differences
-from tests.distributed import RankFailure
+from tests.repeat import repeat_layouts
 from tests.pretrain.test_sharded_dp import (LAYOUTS, OPTIMIZER_KEY, REFERENCE, REPEAT_ONLY, STEPS, _reference_of,
                                            _run, _tensors)
 
@@ -55,34 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in ALL]
     if unknown:
         parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(ALL)}")
-    failures: dict[str, list[str]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="repeat-sharded-") as tmp:
         root = Path(tmp)
         refs = {key: _run(root, f"ref-{key}", recipe, 1, extra) for key, (recipe, extra) in REFERENCE.items()
                 if any(_reference_of(name) == key for name in names)}
-        for i in range(args.times):
-            for name in names:
-                recipe, nproc, extra = ALL[name]
-                start = time.monotonic()
-                try:
-                    # One (synchronous) save, at the end, for the weights: the saves' own
-                    # round trips are the test's resume cases.
-                    got = _run(root, f"{name}-{i}", recipe, nproc, extra + ONE_SAVE)
-                    problem = _compare(got, refs[_reference_of(name)])
-                    shutil.rmtree(root / f"{name}-{i}")
-                except RankFailure as exc:
-                    problem = f"crashed: {str(exc).splitlines()[0]}"
-                if problem:
-                    failures[name].append(f"run {i + 1}: {problem}")
-                print(f"{name} run {i + 1}/{args.times}: {problem or 'ok'} ({time.monotonic() - start:.0f} s)",
-                      flush=True)
-    print(f"\n{'layout':<20} failures")
-    for name in names:
-        print(f"{name:<20} {len(failures[name])}/{args.times}")
-        for line in failures[name]:
-            print(f"    {line}")
-    return 1 if any(failures.values()) else 0
 
+        def attempt(name: str, i: int) -> str | None:
+            recipe, nproc, extra = ALL[name]
+            # One (synchronous) save, at the end, for the weights: the saves' own round trips
+            # are the test's resume cases.
+            got = _run(root, f"{name}-{i}", recipe, nproc, extra + ONE_SAVE)
+            problem = _compare(got, refs[_reference_of(name)])
+            shutil.rmtree(root / f"{name}-{i}")
+            return problem
+
+        return repeat_layouts(names, args.times, attempt)
 
 if __name__ == "__main__":
     sys.exit(main())
