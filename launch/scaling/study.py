@@ -164,6 +164,13 @@ def study_command(args) -> int:
           f"{'inside' if t['inside_ci95'] else 'outside'} the interval")
     print(f"[study] ladder compute: {c['with_branches']:.3g} FLOPs with {c['branches']} cooldown branches vs "
           f"{c['separate']:.3g} as separate runs ({c['saved_fraction']:.0%} saved); {out / 'study.json'}")
+    if doc["fit"]["alpha"] <= 0 or doc["fit"]["beta"] <= 0:
+        # The law assumes loss falls with N and with D; a non-positive exponent means the ladder
+        # contradicts it (e.g. wider models worse at equal tokens: an LR tuned for none of them),
+        # and an interval around such a fit says nothing about the prediction.
+        print(f"[study] warning: alpha {doc['fit']['alpha']:.3g}, beta {doc['fit']['beta']:.3g}: the ladder's loss "
+              "does not fall with both N and D, so approach 3 does not describe it; fix the ladder (e.g. the "
+              "learning rate per width) before trusting the prediction")
     return 0
 
 
