@@ -1,8 +1,8 @@
 """A scaling study end to end: an IsoFLOP ladder, the fit, a prediction for a larger held-out
 model at a larger budget, that model trained, and the prediction checked.
 
-    python -m launch.scaling study --out runs/scaling-study    # tiny-llama on the demo text: ~15 min, 2 CPU cores
-    python -m launch.scaling study --out DIR --budgets 1.5e10 3e10 6e10 --sizes 3 --eval-batches 3   # ~2 min
+    python -m launch.scaling study --out runs/scaling-study    # tiny-llama, demo text: 16 min of CPU
+    python -m launch.scaling study --out DIR --budgets 3e10 6e10 --sizes 5 --min-steps 8 --eval-batches 3  # 3 min
 
 Steps (each re-runnable: the sweeps skip finished points):
 1. `design` writes DIR/ladder.yaml for --recipe at --budgets (WSD cooldown branches, held-out
@@ -179,7 +179,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="runs/scaling-study", help="output folder (default runs/scaling-study)")
     p.add_argument("--recipe", default="tiny-llama")
     p.add_argument("--budgets", type=float, nargs="+", default=[5e11, 1e12, 2e12],
-                   help="the ladder's compute budgets (default 5e11 1e12 2e12: ~15 min on 2 CPU cores)")
+                   help="the ladder's compute budgets (default 5e11 1e12 2e12: 16 min of CPU time)")
     p.add_argument("--sizes", type=int, default=4)
     p.add_argument("--count", choices=PARAM_COUNTS, default="non-embedding",
                    help="the fit's N (default non-embedding: tiny models are mostly embedding; see design)")
