@@ -132,6 +132,15 @@ def total_params(m: ModelConfig) -> int:
     return main_params(m) + mtp_params(m)
 
 
+def non_embedding_params(m: ModelConfig) -> int:
+    """total_params less the word (and position) embeddings and the untied output projection:
+    Kaplan et al. 2020's N. At tiny widths the V x h matrices are most of the model (tiny-llama
+    at h64: 0.52M of 0.57M) and barely change with depth, so a ladder spread in total params
+    is hardly spread in the part that scaling laws are about."""
+    untied = 0 if m.tie_embeddings else m.padded_vocab_size * m.hidden_size
+    return total_params(m) - embedding_params(m) - untied
+
+
 def active_params(m: ModelConfig) -> int:
     """Parameters one token goes through in the main model: main_params less the routed
     experts it skips (E - k per layer); the "activated" count of MoE model cards (MTP layers

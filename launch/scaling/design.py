@@ -30,11 +30,15 @@ import yaml
 
 from launch.scaling.data import ScalingInputError
 from models.config import ModelConfig
-from models.flops import total_params, training_flops_per_step
+from models.flops import non_embedding_params, total_params, training_flops_per_step
 
 MAX_LAYERS = 256
 MAX_HEAD_GROUPS = 48  # widths up to 48 x the query-group ratio of heads (llama3: 192 heads)
 DEPTH_FACTORS = (0.5, 1.0, 2.0)  # of the recipe's hidden/layers ratio
+# What N counts: "non-embedding" (Kaplan et al. 2020) or "total" (Chinchilla, Hoffmann et al.
+# 2022). Chinchilla's models are >= 44M params, where embeddings are a small share; at tiny
+# widths they are most of the model, so sizes spread in total N are not spread in capacity.
+PARAM_COUNTS = ("non-embedding", "total")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Size:
     ffn: int
     params: int
     flops_per_step: float
+    n: int  # the N that sizes are spaced and fitted by (PARAM_COUNTS)
 
     @property
     def label(self) -> str:
@@ -59,8 +64,9 @@ class Size:
         return keys
 
 
-def ladder(model: ModelConfig, seq: int, gbs: int, tp: int = 1, layer_multiple: int = 1) -> list[Size]:
-    """The family's sizes, smallest first (one per parameter count: the one nearest the
+def ladder(model: ModelConfig, seq: int, gbs: int, tp: int = 1, layer_multiple: int = 1,
+           count: str = "non-embedding") -> list[Size]:
+    """The family's sizes, smallest first by N (`count`; one per N: the one nearest the
     recipe's aspect ratio); query groups a multiple of `tp`, layers of `layer_multiple` (the
     recipe's layout must still divide them)."""
     unit = model.hidden_size // model.num_attention_heads  # hidden per head (kv_channels kept as is)
@@ -78,11 +84,12 @@ def ladder(model: ModelConfig, seq: int, gbs: int, tp: int = 1, layer_multiple: 
             shaped = model.model_copy(update=dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                                   num_query_groups=groups, ffn_hidden_size=ffn))
             size = Size(layers, hidden, heads, groups, ffn, total_params(shaped),
-                        training_flops_per_step(shaped, seq, gbs))
+                        training_flops_per_step(shaped, seq, gbs),
+                        total_params(shaped) if count == "total" else non_embedding_params(shaped))
             skew = abs(math.log(hidden / layers / aspect))
-            if size.params not in by_params or skew < by_params[size.params][0]:
-                by_params[size.params] = (skew, size)
-    return [size for _, size in sorted(by_params.values(), key=lambda item: item[1].params)]
+            if size.n not in by_params or skew < by_params[size.n][0]:
+                by_params[size.n] = (skew, size)
+    return [size for _, size in sorted(by_params.values(), key=lambda item: item[1].n)]
 
 
 def steps_at(size: Size, budget: float) -> int:
@@ -94,9 +101,9 @@ def optimal_size(sizes: list[Size], budget: float, tokens_per_param: float, toke
     """The parameter count N whose D = tokens_per_param x N spends the budget (interpolated in
     log N along the ladder)."""
     def spent(s: Size) -> float:
-        return s.flops_per_step / tokens_per_step * tokens_per_param * s.params
+        return s.flops_per_step / tokens_per_step * tokens_per_param * s.n
 
-    logs = [(math.log(spent(s)), math.log(s.params)) for s in sizes]
+    logs = [(math.log(spent(s)), math.log(s.n)) for s in sizes]
     target = math.log(budget)
     if target <= logs[0][0]:
         return math.exp(logs[0][1] + (target - logs[0][0]) / 2)  # C ~ N^2 below the ladder
@@ -125,8 +132,8 @@ def choose_sizes(sizes: list[Size], budget: float, count: int, *, min_steps: int
     for i in range(min(count, len(feasible))):
         target = centre + math.log(spread) * (2 * i / (count - 1) - 1)
         left = [s for s in feasible if s not in chosen]
-        chosen.append(min(left, key=lambda s: abs(math.log(s.params) - target)))
-    return sorted(chosen, key=lambda s: s.params)
+        chosen.append(min(left, key=lambda s: abs(math.log(s.n) - target)))
+    return sorted(chosen, key=lambda s: s.n)
 
 
 def budget_label(budget: float) -> str:
@@ -136,7 +143,7 @@ def budget_label(budget: float) -> str:
 def build_spec(args, base_overrides: list[str], per_budget: dict[float, list[Size]]) -> dict:
     """Grid sizes x budgets, less the (size, budget) pairs no budget chose (`exclude`)."""
     name = args.name or f"isoflop-{args.recipe}"
-    sizes = sorted({s for chosen in per_budget.values() for s in chosen}, key=lambda s: s.params)
+    sizes = sorted({s for chosen in per_budget.values() for s in chosen}, key=lambda s: s.n)
     budgets = sorted(per_budget)
     exclude = [{"model": s.label, "budget": budget_label(c)} for c in budgets for s in sizes
                if s not in per_budget[c]]
@@ -204,7 +211,7 @@ def design_command(args) -> int:
     args.gpus = args.gpus or layout.tensor_parallel * layout.pipeline_parallel * layout.context_parallel
     min_steps = args.min_steps or max(10, 2 * sched.warmup_steps)
     sizes = ladder(config.model, sched.seq_length, sched.global_batch_size, tp=layout.tensor_parallel,
-                   layer_multiple=layout.pipeline_parallel * (layout.virtual_pipeline or 1))
+                   layer_multiple=layout.pipeline_parallel * (layout.virtual_pipeline or 1), count=args.count)
     per_budget = {c: choose_sizes(sizes, c, args.sizes, min_steps=min_steps, spread=args.spread,
                                   tokens_per_param=args.tokens_per_param,
                                   tokens_per_step=sched.seq_length * sched.global_batch_size, family=args.recipe)
@@ -237,13 +244,14 @@ def design_command(args) -> int:
 
 def print_table(points: list, tokens_per_step: int) -> None:
     """One line per point: budget, size, params, tokens, steps, the compute it spends."""
-    print(f"{'budget':>10} {'size':>12} {'params':>12} {'tokens':>12} {'steps':>7} {'compute':>10} "
+    print(f"{'budget':>10} {'size':>12} {'params':>12} {'non-emb':>11} {'tokens':>12} {'steps':>7} {'compute':>10} "
           f"{'vs budget':>9}  {'run'}")
     for p in sorted(points, key=lambda p: (p.budget_flops, total_params(p.config.model))):
         sched = p.config.schedule
         spent = sched.train_steps * training_flops_per_step(p.config.model, sched.seq_length, sched.global_batch_size)
         how = f"branch of {p.branch_of}" if p.branch_of else "full run"
         print(f"{p.budget_flops:>10.3g} {p.labels['model']:>12} {total_params(p.config.model):>12,} "
+              f"{non_embedding_params(p.config.model):>11,} "
               f"{sched.train_steps * tokens_per_step:>12,} {sched.train_steps:>7} {spent:>10.3g} "
               f"{spent / p.budget_flops - 1:>+8.1%}  {how}")
 
@@ -265,6 +273,9 @@ def add_parser(sub) -> None:
                    help="fewest steps a size may get at the smallest budget (default max(10, 2 x warmup))")
     p.add_argument("--spread", type=float, default=4.0,
                    help="each budget's sizes span N_opt/spread .. N_opt x spread (default 4)")
+    p.add_argument("--count", choices=PARAM_COUNTS, default="non-embedding",
+                   help="what N counts when spacing sizes (default non-embedding, Kaplan's: at tiny widths the "
+                        "embeddings dominate total params; total is Chinchilla's)")
     p.add_argument("--tokens-per-param", type=float, default=20.0,
                    help="the D/N ratio that centres the sizes (Chinchilla: 20)")
     p.add_argument("--cooldown-fraction", type=float, default=0.2, help="WSD cooldown share of each run (default 0.2)")

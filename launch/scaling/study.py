@@ -1,14 +1,17 @@
 """A scaling study end to end: an IsoFLOP ladder, the fit, a prediction for a larger held-out
 model at a larger budget, that model trained, and the prediction checked.
 
-    python -m launch.scaling study --out runs/scaling-study            # tiny-llama on the demo text, CPU
-    python -m launch.scaling study --out DIR --budgets 1.5e10 3e10 6e10 --sizes 4 --eval-batches 4   # minutes
+    python -m launch.scaling study --out runs/scaling-study    # tiny-llama, demo text: 16 min of CPU
+    python -m launch.scaling study --out DIR --budgets 3e10 6e10 --sizes 5 --min-steps 8 --eval-batches 3  # 3 min
 
 Steps (each re-runnable: the sweeps skip finished points):
 1. `design` writes DIR/ladder.yaml for --recipe at --budgets (WSD cooldown branches, held-out
    evaluation); `launch.sweep` trains it into DIR/ladder/.
 2. Approach 3 (L = E + A/N^alpha + B/D^beta) is fitted to the ladder's val_loss, with
-   --bootstrap refits for a 95% interval.
+   --bootstrap refits for a 95% interval. N is --count: non-embedding params by default
+   (Kaplan et al. 2020), not Chinchilla's total: at these widths the V x h embedding and
+   output matrices are 50-90% of a model and barely grow with depth, so total N hardly moves
+   across the ladder while the loss does. DIR/fit.csv is the table fitted.
 3. The target: the family's next size above every trained one, at --target-factor x the
    largest budget (extrapolated in N and in C). Its loss is predicted (value and the bootstrap
    interval), then it is trained (DIR/target/, the same overrides) and its val_loss compared.
@@ -20,15 +23,17 @@ from __future__ import annotations
 
 import csv
 import json
+from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
 import yaml
 
 from launch.scaling import chinchilla
+from launch.scaling.cli import _check
 from launch.scaling.data import ScalingInputError, read_runs
-from launch.scaling.design import budget_label, ladder, steps_at
-from models.flops import total_params, training_flops_per_step
+from launch.scaling.design import PARAM_COUNTS, Size, budget_label, ladder, steps_at
+from models.flops import training_flops_per_step
 
 CPU = ["runtime.spec=portable", "schedule.seq_length=64", "schedule.micro_batch_size=8",
        "schedule.global_batch_size=8", "schedule.warmup_steps=1", "logging.tensorboard=false",
@@ -42,7 +47,7 @@ def _design(args, out: Path) -> Path:
     spec = out / "ladder.yaml"
     argv = ["design", "--recipe", args.recipe, "--budgets", *map(str, args.budgets), "--sizes", str(args.sizes),
             "--eval-batches", str(args.eval_batches), "--cooldown-fraction", str(args.cooldown_fraction),
-            "--name", "ladder", "--out", str(spec), "--out-dir", str(out / "ladder"),
+            "--count", args.count, "--name", "ladder", "--out", str(spec), "--out-dir", str(out / "ladder"),
             *(["--min-steps", str(args.min_steps)] if args.min_steps else []),
             *[a for kv in [*CPU, *args.set] for a in ("--set", kv)]]
     design_command(build_parser().parse_args(argv))
@@ -72,22 +77,43 @@ def _compute(spec: Path) -> dict:
             "points": len(points), "branches": sum(1 for p in points if p.branch_of)}
 
 
-def _target(spec: Path, args) -> tuple[Path, dict]:
-    """A one-point spec for the held-out model: the next size of the family's ladder above
-    every ladder size, at target-factor x the largest budget."""
+def _sizes(spec: Path, args) -> tuple[dict, list[Size], object]:
+    """The ladder spec, the family's sizes (N counted as --count) and the runs' schedule."""
     from pretrain.config import apply_overrides
     from pretrain.recipes import get_recipe
 
     ladder_spec = yaml.safe_load(spec.read_text())
     config = apply_overrides(get_recipe(args.recipe), overrides=list(ladder_spec["overrides"]))
     sched = config.schedule
-    trained = max(total_params(config.model.model_copy(update={k.split(".")[1]: v for k, v in choice.items()
-                                                              if k.startswith("model.")}))
-                  for choice in ladder_spec["grid"]["model"])
+    return ladder_spec, ladder(config.model, sched.seq_length, sched.global_batch_size, count=args.count), sched
+
+
+def _fit_table(results: Path, sizes: list[Size], out: Path) -> Path:
+    """results.csv with `params` replaced by the N that --count names (the fit's N): the sweep
+    writes total params; each row's `model` label names its size."""
+    by_label = {s.label: s.n for s in sizes}
+    with results.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows, header = list(reader), reader.fieldnames
+    for row in rows:
+        row["params"] = by_label[row["model"]]
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
+    return out
+
+
+def _target(spec: Path, args) -> tuple[Path, dict]:
+    """A one-point spec for the held-out model: the next size of the family's ladder above
+    every ladder size (in N as --count counts it), at target-factor x the largest budget."""
+    ladder_spec, sizes, sched = _sizes(spec, args)
+    labels = {choice["label"] for choice in ladder_spec["grid"]["model"]}
+    trained = max(s.n for s in sizes if s.label in labels)
     budget = args.target_factor * max(args.budgets)
-    larger = [s for s in ladder(config.model, sched.seq_length, sched.global_batch_size) if s.params > trained]
+    larger = [s for s in sizes if s.n > trained]
     if not larger:
-        raise ScalingInputError(f"no size of {args.recipe} is larger than the ladder's largest ({trained:,} params)")
+        raise ScalingInputError(f"no size of {args.recipe} is larger than the ladder's largest (N {trained:,})")
     size = larger[0]
     target = {**ladder_spec, "name": "target", "out_dir": str(Path(args.out) / "target"),
               "grid": {"model": [{"label": size.label, **size.keys()}],
@@ -96,7 +122,7 @@ def _target(spec: Path, args) -> tuple[Path, dict]:
     path = spec.parent / "target.yaml"
     path.write_text(yaml.safe_dump(target, sort_keys=False))
     steps = steps_at(size, budget)
-    return path, {"label": size.label, "params": size.params, "budget": budget, "steps": steps,
+    return path, {"label": size.label, "params": size.n, "total_params": size.params, "budget": budget, "steps": steps,
                   "tokens": steps * sched.seq_length * sched.global_batch_size}
 
 
@@ -105,9 +131,11 @@ def study_command(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     spec = _design(args, out)
     _sweep(spec)
-    runs = read_runs(out / "ladder" / "results.csv")
+    table = _fit_table(out / "ladder" / "results.csv", _sizes(spec, args)[1], out / "fit.csv")
+    runs = read_runs(table)
     if runs.loss_column != "val_loss":
         raise ScalingInputError("the ladder's results.csv has no val_loss (schedule.final_eval_steps)")
+    _check(runs, Namespace(approach=3, results=table))  # `fit`'s own minimum, before the target trains
     best = chinchilla.fit(runs, args.grid)
     boots = chinchilla.bootstrap(runs, best, args.bootstrap, args.seed, lambda: None)
     target_spec, target = _target(spec, args)
@@ -119,7 +147,7 @@ def study_command(args) -> int:
     with (out / "target" / "results.csv").open() as f:
         row = next(csv.DictReader(f))
     measured = float(row["val_loss"])
-    doc = {"recipe": args.recipe, "ladder_budgets": list(args.budgets), "n_points": len(runs),
+    doc = {"recipe": args.recipe, "params_count": args.count, "ladder_budgets": list(args.budgets), "n_points": len(runs),
            "fit": {k: v for k, v in best.values.items()}, "n_bootstrap": len(boots),
            "target": {**target, "predicted": predicted, "ci95": [lo, hi], "val_loss": measured,
                       "val_loss_se": float(row["val_loss_se"]) if row.get("val_loss_se") else None,
@@ -128,14 +156,21 @@ def study_command(args) -> int:
            "compute": _compute(spec)}
     (out / "study.json").write_text(json.dumps(doc, indent=2) + "\n")
     t, c = doc["target"], doc["compute"]
-    print(f"[study] fit on {len(runs)} ladder points (val_loss): " +
+    print(f"[study] fit on {len(runs)} ladder points (val_loss, N = {args.count} params): " +
           ", ".join(f"{k} {v:.4g}" for k, v in doc["fit"].items()))
-    print(f"[study] target {t['label']} ({t['params']:,} params, {t['tokens']:,} tokens, {t['budget']:.3g} FLOPs): "
+    print(f"[study] target {t['label']} (N {t['params']:,} {args.count} params, {t['tokens']:,} tokens, {t['budget']:.3g} FLOPs): "
           f"predicted {predicted:.4f}" + (f" [95% {lo:.4f}, {hi:.4f}]" if lo is not None else "")
           + f", measured {measured:.4f}: error {t['error']:+.4f} ({t['relative_error']:+.1%}), "
           f"{'inside' if t['inside_ci95'] else 'outside'} the interval")
     print(f"[study] ladder compute: {c['with_branches']:.3g} FLOPs with {c['branches']} cooldown branches vs "
           f"{c['separate']:.3g} as separate runs ({c['saved_fraction']:.0%} saved); {out / 'study.json'}")
+    if doc["fit"]["alpha"] <= 0 or doc["fit"]["beta"] <= 0:
+        # The law assumes loss falls with N and with D; a non-positive exponent means the ladder
+        # contradicts it (e.g. wider models worse at equal tokens: an LR tuned for none of them),
+        # and an interval around such a fit says nothing about the prediction.
+        print(f"[study] warning: alpha {doc['fit']['alpha']:.3g}, beta {doc['fit']['beta']:.3g}: the ladder's loss "
+              "does not fall with both N and D, so approach 3 does not describe it; fix the ladder (e.g. the "
+              "learning rate per width) before trusting the prediction")
     return 0
 
 
@@ -143,9 +178,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("study", help="ladder -> fit -> predict a larger held-out model -> train it -> compare")
     p.add_argument("--out", default="runs/scaling-study", help="output folder (default runs/scaling-study)")
     p.add_argument("--recipe", default="tiny-llama")
-    p.add_argument("--budgets", type=float, nargs="+", default=[1e11, 2e11, 4e11, 8e11],
-                   help="the ladder's compute budgets (default 1e11 2e11 4e11 8e11)")
+    p.add_argument("--budgets", type=float, nargs="+", default=[5e11, 1e12, 2e12],
+                   help="the ladder's compute budgets (default 5e11 1e12 2e12: 16 min of CPU time)")
     p.add_argument("--sizes", type=int, default=4)
+    p.add_argument("--count", choices=PARAM_COUNTS, default="non-embedding",
+                   help="the fit's N (default non-embedding: tiny models are mostly embedding; see design)")
     p.add_argument("--target-factor", type=float, default=4.0,
                    help="the held-out model's budget: this x the largest ladder budget (default 4)")
     p.add_argument("--eval-batches", type=int, default=32, help="held-out batches per point (default 32)")

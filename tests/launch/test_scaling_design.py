@@ -13,7 +13,7 @@ import yaml
 from launch.scaling.cli import main as scaling_main
 from launch.sweeps.spec import SweepSpecError, expand_with_branches, load_spec
 from models.config import get_flavor
-from models.flops import total_params, training_flops_per_step
+from models.flops import non_embedding_params, total_params, training_flops_per_step
 from tests.bad_input import expect_refusal
 
 CPU = ["--set", "runtime.spec=portable", "--set", "schedule.seq_length=64", "--set", "schedule.micro_batch_size=8",
@@ -55,12 +55,28 @@ def test_design_spec_loads_and_spends_each_budget(tmp_path, capsys):
     assert "compute:" in out and "with cooldown branches" in out
 
 
+def test_default_ladder_is_spread_in_non_embedding_n(tmp_path):
+    """The study's default ladder (budgets 5e11..2e12, 4 sizes, depth and width both varied):
+    neighbours differ ~2x in non-embedding N (Kaplan's, what the study fits), while in total
+    N (Chinchilla's) the V x h embeddings of these widths make some differ by < 10%."""
+    out = tmp_path / "s.yaml"
+    assert scaling_main(["design", "--recipe", "tiny-llama", "--budgets", "5e11", "1e12", "2e12", "--sizes", "4",
+                         "--out", str(out), *CPU]) == 0
+    points, _ = expand_with_branches(load_spec(str(out)), spec_dir=tmp_path)
+    for budget in {p.budget_flops for p in points}:
+        models = sorted((p.config.model for p in points if p.budget_flops == budget), key=non_embedding_params)
+        n = [non_embedding_params(m) for m in models]
+        total = [total_params(m) for m in models]
+        assert len(n) == 4 and min(b / a for a, b in zip(n, n[1:])) > 1.99, n  # 44k 88k 177k 353k
+        assert min(b / a for a, b in zip(total, total[1:])) < 1.1, total
+
+
 def test_dry_run_prints_the_table_and_writes_nothing(tmp_path, capsys):
     argv = ["design", "--recipe", "tiny-llama", "--budgets", "2e12", "8e12", "--sizes", "2",
             "--out", str(tmp_path / "s.yaml"), "--dry-run", *CPU]
     assert scaling_main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["budget", "size", "params", "tokens", "steps", "compute", "vs", "budget", "run"]
+    assert lines[0].split() == ["budget", "size", "params", "non-emb", "tokens", "steps", "compute", "vs", "budget", "run"]
     assert len([line for line in lines if line.strip().startswith(("2e+12", "8e+12"))]) == 4
     assert not (tmp_path / "s.yaml").exists()
 

@@ -1,8 +1,10 @@
-"""The scaling pipeline end to end, a few steps a point: `launch.scaling design` writes an
-IsoFLOP spec for tiny-llama sizes on the demo's real text -> `launch.sweep` trains it on CPU
-(stable runs and WSD cooldown branches, a held-out evaluation at every point's end) ->
-results.csv with val_loss -> `launch.scaling fit --approach 3 --json` fits the held-out loss
--> `launch.scaling heldout` measures its noise. The full-size study: README, "Scaling laws"."""
+"""The scaling study end to end, a few steps a point: `launch.scaling study` designs an IsoFLOP
+ladder of tiny-llama sizes on the demo's real text -> `launch.sweep` trains it on CPU (stable
+runs and WSD cooldown branches, a held-out evaluation at every point's end) -> approach 3 is
+fitted to val_loss with N = non-embedding params, with a bootstrap -> the next size at 4x the
+largest budget is predicted, trained and compared -> study.json. Then `launch.scaling fit --json`
+refits the same table and `launch.scaling heldout` measures its noise. The full-size study:
+README, "The end-to-end study"."""
 
 from __future__ import annotations
 
@@ -11,35 +13,51 @@ import json
 import math
 
 import pytest
+import yaml
 
 from launch.scaling.cli import main as scaling_main
 from launch.scaling.heldout import analyse
-from launch.sweeps import run as sweep
-
-CPU = ["runtime.spec=portable", "schedule.seq_length=64", "schedule.micro_batch_size=8",
-       "schedule.global_batch_size=8", "schedule.warmup_steps=1", "logging.tensorboard=false",
-       "logging.log_interval=5", "optimizer.lr=0.01", "optimizer.min_lr=0.001"]
+from models.config import ModelConfig
+from models.flops import non_embedding_params, total_params
 
 
-@pytest.mark.slow  # 11 training processes: 2 min 44 s of CPU (16 min wall on a VM at load 30-60)
-def test_design_sweep_fit_on_real_text(tmp_path, capsys):
-    spec, out = tmp_path / "isoflop.yaml", tmp_path / "sweep"
-    assert scaling_main(["design", "--recipe", "tiny-llama", "--budgets", "1.5e10", "3e10", "6e10", "--sizes", "4",
+def _rows(path) -> list[dict]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow  # 11 training processes (10 ladder points: approach 3's minimum; the target): ~3 min of CPU
+def test_study_on_real_text(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert scaling_main(["study", "--out", str(out), "--budgets", "3e10", "6e10", "--sizes", "5",
                          "--min-steps", "8", "--eval-batches", "3", "--cooldown-fraction", "0.25",
-                         "--out", str(spec), "--out-dir", str(out), *[a for kv in CPU for a in ("--set", kv)]]) == 0
-    assert sweep.main([str(spec)]) == 0, capsys.readouterr().err
-    ran = capsys.readouterr().out
-    branches = ran.count("cooldown branch of")
-    assert branches >= 4, ran  # every size trained at several budgets branches its smaller ones
-    with (out / "results.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) >= 10 and all(r["status"] == "finished" for r in rows)
+                         "--bootstrap", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("cooldown branch of") == 5, printed  # each size's smaller budget branches
+    rows = _rows(out / "ladder" / "results.csv")
+    assert len(rows) == 10 and all(r["status"] == "finished" for r in rows)
     for r in rows:  # the held-out loss of every point, and the budget it was designed for
         assert 0 < float(r["val_loss"]) < math.log(4000) + 1 and float(r["val_loss_se"]) > 0
         assert abs(float(r["flops"]) / float(r["compute"]) - 1) < 0.1
-    assert scaling_main(["fit", str(out / "results.csv"), "--approach", "3", "--bootstrap", "8", "--json"]) == 0
+    # The fit's N is each point's non-embedding count, from the model the point really trained.
+    fitted = {r["point"]: int(r["params"]) for r in _rows(out / "fit.csv")}
+    for r in rows:
+        model = ModelConfig(**yaml.safe_load((out / "ladder" / "points" / r["point"] / "config.yaml").read_text())["model"])
+        assert fitted[r["point"]] == non_embedding_params(model) < total_params(model) == int(r["params"])
+    study = json.loads((out / "study.json").read_text())
+    target, compute = study["target"], study["compute"]
+    assert study["n_points"] == 10 and study["params_count"] == "non-embedding" and study["n_bootstrap"] == 8
+    assert target["params"] > max(fitted.values()) and target["budget"] == 4 * 6e10
+    lo, hi = target["ci95"]
+    assert lo <= target["predicted"] <= hi and math.isfinite(target["predicted"])
+    measured = _rows(out / "target" / "results.csv")[0]
+    assert measured["status"] == "finished" and float(measured["val_loss"]) == target["val_loss"]
+    assert target["error"] == pytest.approx(target["val_loss"] - target["predicted"])
+    assert compute["branches"] == printed.count("cooldown branch of") and 0 < compute["saved_fraction"] < 1
+    assert "[study] target" in printed and f"{target['predicted']:.4f}" in printed
+    assert scaling_main(["fit", str(out / "fit.csv"), "--approach", "3", "--bootstrap", "8", "--json"]) == 0
     fit = json.loads(capsys.readouterr().out)
-    assert fit["loss_column"] == "val_loss" and fit["n_points"] == len(rows) and fit["approach"] == 3
+    assert fit["loss_column"] == "val_loss" and fit["n_points"] == 10 and fit["approach"] == 3
     assert all(math.isfinite(entry["value"]) for entry in fit["params"].values())
-    noise = analyse(out)
-    assert noise["points"] == len(rows) and noise["batches"] == 3 and noise["pairs"]
+    noise = analyse(out / "ladder")
+    assert noise["points"] == 10 and noise["batches"] == 3 and noise["pairs"]

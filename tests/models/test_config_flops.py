@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from models.config import FLAVORS, ModelConfig, get_flavor
-from models.flops import (active_params, embedding_params, forward_flops_per_token, mlp_params, qk_norm_params,
-                          total_params, training_flops_per_token)
+from models.flops import (active_params, embedding_params, forward_flops_per_token, mlp_params,
+                          non_embedding_params, qk_norm_params, total_params, training_flops_per_token)
 from tests.distributed import run_ranks
 
 
@@ -47,7 +47,7 @@ def test_qwen3_8b_non_embedding_params_match_its_model_card():
     of 128 each included) + the final norm; 36 x 2 x 128 = 9216 of them are q/k norm weights."""
     m = FLAVORS["qwen3-8b"]
     non_embedding = total_params(m) - embedding_params(m) - m.padded_vocab_size * m.hidden_size
-    assert non_embedding / 1e9 == pytest.approx(6.95, abs=0.005)
+    assert non_embedding / 1e9 == pytest.approx(6.95, abs=0.005) and non_embedding_params(m) == non_embedding
     assert qk_norm_params(m) == 2 * 128 and qk_norm_params(FLAVORS["llama3-8b"]) == 0
 
 
@@ -56,7 +56,7 @@ def test_qwen3_30b_a3b_matches_its_model_card():
     128 experts (768 wide, SwiGLU: 3 x 2048 x 768 each), 8 of them active per token."""
     m = FLAVORS["qwen3-30b-a3b"]
     non_embedding = total_params(m) - 2 * m.padded_vocab_size * m.hidden_size
-    assert non_embedding / 1e9 == pytest.approx(29.9, abs=0.05)
+    assert non_embedding / 1e9 == pytest.approx(29.9, abs=0.05) and non_embedding_params(m) == non_embedding
     assert active_params(m) / 1e9 == pytest.approx(3.3, abs=0.06)
     # Independent count of what a token skips: 120 experts x 3 matrices x 2048 x 768 per layer.
     assert total_params(m) - active_params(m) == 48 * 120 * 3 * 2048 * 768
@@ -104,8 +104,11 @@ def count_built_params(flavor: str) -> dict:
     init_distributed(layout, seed=0)
     chunks = build_model_chunks(get_flavor(flavor), layout, RuntimeOptions(seed=0, spec="portable"))
     count = sum(p.numel() for c in chunks for p in c.parameters())
+    # Kaplan's N: all but the word/position embeddings and the (untied) output projection.
+    body = sum(p.numel() for c in chunks for name, p in c.named_parameters()
+               if "embedding" not in name and not name.endswith("output_layer.weight"))
     shutdown()
-    return {"params": count}
+    return {"params": count, "non_embedding": body}
 
 
 @pytest.mark.distributed
@@ -114,3 +117,4 @@ def count_built_params(flavor: str) -> dict:
 def test_param_formula_matches_built_model(flavor):
     (result,) = run_ranks(1, "tests.models.test_config_flops:count_built_params", flavor=flavor)
     assert result["params"] == total_params(get_flavor(flavor))
+    assert result["non_embedding"] == non_embedding_params(get_flavor(flavor))
