@@ -3,10 +3,10 @@ tuned LR from a small grid, on tiny-llama and the demo's real text (King James B
 
     # step time: AdamW and Muon runs alternate (a shared machine's load drifts into both alike)
     python -m launch.optimizer_benchmark step-time --repeats 3 --steps 30 --warmup 5
-    # loss vs steps: an LR grid per optimizer, 150 steps each, the plot beside the README's numbers
+    # loss vs steps: an LR grid per optimizer, 150 steps each, the plot beside docs/benchmarks.md's numbers
     python -m launch.optimizer_benchmark lr-grid --steps 150 \
         --adamw-lrs 1.5e-3 3e-3 6e-3 --muon-lrs 3.125e-4 6.25e-4 1.25e-3 2.5e-3 5e-3 1e-2 2e-2 4e-2 \
-        --plot launch/examples/muon_vs_adamw.png --json-out grid.json
+        --plot docs/images/muon_vs_adamw.png --json-out grid.json
     # (--resume reuses the runs already in grid.json: widening the grid runs only the new LRs)
     # below the recipe's min_lr (3e-4): lower Muon's floor, its AdamW parameters' floor kept
     python -m launch.optimizer_benchmark lr-grid --steps 150 --adamw-lrs 3e-3 \\
