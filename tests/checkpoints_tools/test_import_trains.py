@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from checkpoints_tools.dcp_io import CheckpointReader
+from checkpoints_tools.export_hf import export_hf
 from checkpoints_tools.import_hf import import_hf
 from launch.compare_runs import compare_records
 from launch.sweeps.results import read_metrics
@@ -45,6 +46,33 @@ def _hf_loss(hf_dir, batch: dict) -> float:
             count += mask.sum().item()
     return float(total / count)
 
+
+
+def train_one_step_after_import(hf_dir, tmp_path):
+    """Import `hf_dir`, train one step at TP2 + SP (no warm-up: a warm-up's first step runs at LR
+    0 and would leave the weights as imported), check its loss is transformers' on the same
+    batch, export step 1 and verify it: transformers gives our trained model's logits (1e-4),
+    which moved from the import's. Returns the step-1 checkpoint."""
+    imported, ckpt = tmp_path / "imported", tmp_path / "ckpt"
+    import_hf(hf_dir, imported)
+    overrides = [o for o in OVERRIDES if not o.startswith(("schedule.train_steps", "schedule.warmup_steps"))] + [
+        "schedule.train_steps=1", "schedule.warmup_steps=0", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+        f"checkpoint.resume={imported}", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1",
+        f"logging.run_dir={tmp_path / 'run'}"]
+    run = first(run_ranks(2, "tests.checkpoints_tools.workers:first_step_and_batch", recipe="tiny-llama",
+                          config_file=str(imported / "config.yaml"), overrides=overrides))
+    want = _hf_loss(hf_dir, run)
+    print(f"\nfirst-step loss {run['loss']:.6f}, transformers {want:.6f}")
+    assert abs(run["loss"] - want) <= 1e-5 * want, (run["loss"], want)
+    step1 = ckpt / "step_00000001"
+    export_hf(step1, tmp_path / "hf", with_tokenizer=False)
+    after, before = run_ranks(1, "tests.checkpoints_tools.workers:verify_imports",
+                              pairs=[[str(step1), str(tmp_path / "hf")], [str(step1), str(hf_dir)]])[0]
+    print(f"export of step 1 vs ours: {after['max_abs_diff']:.1e}; the import's HF model vs ours after the step: "
+          f"{before['max_abs_diff']:.1e}")
+    assert after["passed"] and after["max_abs_diff"] <= 1e-4, after
+    assert before["max_abs_diff"] > 1e-3, f"one step at lr 1e-2 did not move the logits: {before}"
+    return step1
 
 def test_imported_model_first_loss_is_transformers_loss_at_tp1_and_tp2(hf_models, tmp_path):
     hf_dir = hf_models["llama"]  # untied, vocab 4000 -> 4096 rows

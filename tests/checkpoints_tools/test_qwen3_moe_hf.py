@@ -134,27 +134,6 @@ def test_import_trains_one_step_and_exports_what_it_trained(hf_models, tmp_path)
     split over the two ranks) on real text: the step's loss is transformers' loss on the same batch
     (so the imported router and experts compute HF's forward); the exported step-1 checkpoint
     gives our trained model's logits in transformers (verify, 1e-4), and they moved from the import's."""
-    from tests.checkpoints_tools.test_import_trains import OVERRIDES, _hf_loss
-    from tests.checkpoints_tools.workers import first
+    from tests.checkpoints_tools.test_import_trains import train_one_step_after_import
 
-    hf_dir = hf_models["qwen3-moe"]
-    imported, ckpt = tmp_path / "imported", tmp_path / "ckpt"
-    import_hf.import_hf(hf_dir, imported)
-    # No warm-up: the first step of a warm-up runs at LR 0 and would leave the weights as imported.
-    overrides = [o for o in OVERRIDES if not o.startswith(("schedule.train_steps", "schedule.warmup_steps"))] + [
-        "schedule.train_steps=1", "schedule.warmup_steps=0", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
-        f"checkpoint.resume={imported}", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1",
-        f"logging.run_dir={tmp_path / 'run'}"]
-    run = first(run_ranks(2, "tests.checkpoints_tools.workers:first_step_and_batch", recipe="tiny-llama",
-                          config_file=str(imported / "config.yaml"), overrides=overrides))
-    want = _hf_loss(hf_dir, run)
-    print(f"\nfirst-step loss {run['loss']:.6f}, transformers {want:.6f}")
-    assert abs(run["loss"] - want) <= 1e-5 * want, (run["loss"], want)
-    step1 = ckpt / "step_00000001"
-    export_hf.export_hf(step1, tmp_path / "hf", with_tokenizer=False)
-    after, before = run_ranks(1, "tests.checkpoints_tools.workers:verify_imports",
-                              pairs=[[str(step1), str(tmp_path / "hf")], [str(step1), str(hf_dir)]])[0]
-    print(f"export of step 1 vs ours: {after['max_abs_diff']:.1e}; the import's HF model vs ours after the step: "
-          f"{before['max_abs_diff']:.1e}")
-    assert after["passed"] and after["max_abs_diff"] <= 1e-4, after
-    assert before["max_abs_diff"] > 1e-3, f"one step at lr 1e-2 did not move the logits: {before}"
+    train_one_step_after_import(hf_models["qwen3-moe"], tmp_path)
