@@ -3,10 +3,25 @@ line per run, then a table of failure counts with each failure quoted."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
 from tests.distributed import RankFailure
+
+
+def parse_layouts(doc: str, layouts, argv: list[str] | None) -> tuple[list[str], int]:
+    """A repeat tool's command line: (the layouts named, all by default; --times, default 20).
+    An unknown name is refused naming the choices."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--times", type=int, default=20)
+    parser.add_argument("layouts", nargs="*", metavar="LAYOUT", help=f"default: all of {', '.join(layouts)}")
+    args = parser.parse_args(argv)
+    names = args.layouts or list(layouts)
+    unknown = [name for name in names if name not in layouts]
+    if unknown:
+        parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(layouts)}")
+    return names, args.times
 
 
 def repeat_layouts(names: list[str], times: int, attempt: Callable[[str, int], str | None]) -> int:

@@ -12,7 +12,6 @@ per run and a table of failure counts.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from tests.compare import relative_differences
 from tests.pretrain.test_mtp_parity import LAYOUTS, _run
-from tests.repeat import repeat_layouts
+from tests.repeat import parse_layouts, repeat_layouts
 
 
 def _compare(got: dict, want: dict) -> str | None:
@@ -36,14 +35,7 @@ def _compare(got: dict, want: dict) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--times", type=int, default=20)
-    parser.add_argument("layouts", nargs="*", metavar="LAYOUT", help=f"default: all of {', '.join(LAYOUTS)}")
-    args = parser.parse_args(argv)
-    names = args.layouts or list(LAYOUTS)
-    unknown = [name for name in names if name not in LAYOUTS]
-    if unknown:
-        parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(LAYOUTS)}")
+    names, times = parse_layouts(__doc__, LAYOUTS, argv)
     with tempfile.TemporaryDirectory(prefix="repeat-mtp-") as tmp:
         root = Path(tmp)
         ref = _run(root, "ref", 1, [])
@@ -54,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root / f"{name}-{i}")
             return problem
 
-        return repeat_layouts(names, args.times, attempt)
+        return repeat_layouts(names, times, attempt)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,14 +13,13 @@ failure. Prints one line per run and a table of failure counts.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from tests.compare import relative_differences
-from tests.repeat import repeat_layouts
+from tests.repeat import parse_layouts, repeat_layouts
 from tests.pretrain.test_sharded_dp import (LAYOUTS, OPTIMIZER_KEY, REFERENCE, REPEAT_ONLY, STEPS, _reference_of,
                                            _run, _tensors)
 
@@ -46,14 +45,7 @@ def _compare(got: dict, want: dict) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--times", type=int, default=20)
-    parser.add_argument("layouts", nargs="*", metavar="LAYOUT", help=f"default: all of {', '.join(ALL)}")
-    args = parser.parse_args(argv)
-    names = args.layouts or list(ALL)
-    unknown = [name for name in names if name not in ALL]
-    if unknown:
-        parser.error(f"unknown layout {unknown[0]}; choose from {', '.join(ALL)}")
+    names, times = parse_layouts(__doc__, ALL, argv)
     with tempfile.TemporaryDirectory(prefix="repeat-sharded-") as tmp:
         root = Path(tmp)
         refs = {key: _run(root, f"ref-{key}", recipe, 1, extra) for key, (recipe, extra) in REFERENCE.items()
@@ -68,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root / f"{name}-{i}")
             return problem
 
-        return repeat_layouts(names, args.times, attempt)
+        return repeat_layouts(names, times, attempt)
 
 if __name__ == "__main__":
     sys.exit(main())
