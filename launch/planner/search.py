@@ -196,7 +196,7 @@ def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, s
                  memory_options: MemoryOptions, throughput_options: ThroughputOptions) -> Plan:
     """Every valid layout evaluated and sorted; `ranked` may be empty (see `plan`)."""
     check_world(world_size, device)
-    space = _unmodelled_for_mla(config, space)
+    space = _space_without_unmodelled_parts(config, space)
     candidates, invalid = enumerate_candidates(config, world_size, device, space)
     if not candidates:
         raise PlanError(
@@ -212,11 +212,12 @@ def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, s
                 invalid=invalid)
 
 
-def _unmodelled_for_mla(config: ExperimentConfig, space: SearchSpace) -> SearchSpace:
-    """`space` for a DeepSeek-style model: ZeRO-2/3 dropped from the search for multi-latent attention or dense layers among MoE
-    layers (moe_layer_freq): Megatron-FSDP's bucket model (launch.planner.fsdp_buckets) lists
-    GQA layers of one kind, so it would price such a model's buffers wrong. PlanError when
-    only those stages were asked for, or for Muon / Lion (launch.planner.muon: the same)."""
+def _space_without_unmodelled_parts(config: ExperimentConfig, space: SearchSpace) -> SearchSpace:
+    """`space` for a DeepSeek-style model: ZeRO-2/3 dropped from the search for multi-latent
+    attention, dense layers among MoE layers (moe_layer_freq) or MTP layers: Megatron-FSDP's
+    bucket model (launch.planner.fsdp_buckets) lists GQA layers of one kind, so it would price
+    such a model's buffers wrong. PlanError when only those stages were asked for, or for
+    Muon / Lion (launch.planner.muon: the same)."""
     model = config.model
     mixed = model.is_moe and 0 in model.moe_layer_pattern
     if not (model.multi_latent_attention or mixed or model.mtp_num_layers):
