@@ -444,13 +444,15 @@ _DEEPSEEK_V3 = ModelConfig(
 )
 # DeepSeek-V3's parts at tiny-llama's size: MLA (q latent 64, kv latent 32, heads of 16 + 8 RoPE
 # for q/k and 16 for v), layer 1 dense (ffn 256), layers 2-4 with 8 routed experts of 32 (top-2
-# of 2 groups chosen out of 4) + a 64-wide shared expert, sigmoid routing with the expert bias.
+# inside 1 group chosen out of 2, each group scored by its top 2 experts: top-k / chosen groups = 2,
+# the one grouping DeepseekV3ForCausalLM computes the same, so the flavor exports as shipped)
+# + a 64-wide shared expert, sigmoid routing with the expert bias.
 _TINY_DEEPSEEK = _TINY_LLAMA.model_copy(update=dict(
     num_query_groups=None, ffn_hidden_size=256, norm_eps=1e-6,
     multi_latent_attention=True, q_lora_rank=64, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
     v_head_dim=16,
     num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_hidden_size=64,
-    moe_router_num_groups=4, moe_router_group_topk=2, moe_router_score_function="sigmoid",
+    moe_router_num_groups=2, moe_router_group_topk=1, moe_router_score_function="sigmoid",
     moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.0,
     moe_layer_freq=[0, 1, 1, 1],
 ))

@@ -42,6 +42,16 @@ message would slip through the filter, and the decision behind it may need a fre
   torch-function mode, which every torch call passes through. Its text lives in torch's C++,
   so the guard provokes it once and compares; Megatron's comment is the other guard: when it
   goes, so may the access.
+- torch's checkpoint loader, at every resume (and in the checkpoint tools), three Python
+  warnings about how Megatron's `dist_checkpointing` calls it: "torch.distributed is disabled,
+  unavailable or uninitialized, assuming the intent is to load in a single process."
+  (`state_dict_loader.py`: Megatron passes `no_dist=True` on purpose, each rank reading its own
+  shards without collectives), "The argument order of load has been changed" (`utils.py`'s
+  `_api_bc_check`: Megatron passes the storage reader positionally) and the FutureWarning "Please
+  use DTensor instead and we are deprecating ShardedTensor." (`_shard/_utils.py`: Megatron's
+  torch strategy converts its sharded tensors to torch's ShardedTensor to load them). Megatron's
+  calls, not ours (no module of ours calls torch's checkpoint load); the loads work. Guarded by
+  the torch texts and by Megatron's `no_dist=True` / `mcore_to_pyt_state_dict` calls.
 """
 
 from __future__ import annotations
@@ -69,11 +79,25 @@ MEGATRON_WARNINGS = {
     # Megatron calls these (DDP's buffers); the message is in torch's source, not Megatron's.
     "torch.distributed.distributed_c10d": ("`torch.distributed.reduce_scatter_tensor` is deprecated",
                                            "`torch.distributed.all_gather_into_tensor` is deprecated"),
+    # Megatron's dist_checkpointing load calls torch's (above); the texts are torch's.
+    "torch.distributed.checkpoint.state_dict_loader": (
+        "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",),
+    "torch.distributed.checkpoint.utils": ("The argument order of ",),
+    "torch.distributed._shard._utils": ("Please use DTensor instead and we are deprecating ShardedTensor.",),
 }
+# The FutureWarnings among MEGATRON_WARNINGS (every other one is a UserWarning).
+FUTURE_WARNINGS = ("`torch.distributed.reduce_scatter_tensor` is deprecated",
+                   "`torch.distributed.all_gather_into_tensor` is deprecated",
+                   "Please use DTensor instead and we are deprecating ShardedTensor.")
 NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
 # Where the non-leaf .grad warning is raised from (above), and the source line that explains it.
 NON_LEAF_GRAD_MODULES = r"(megatron\.core\.optimizer\.optimizer|pretrain\.megatron_fixes\.cpu)$"
 NON_LEAF_GRAD_CAUSE = {"megatron.core.optimizer.distrib_optimizer": ("self.shard_fp32_groups,  # throws grad-access warning",)}
+# The Megatron calls behind the checkpoint loader's warnings: when they change, look again.
+CHECKPOINT_LOAD_CAUSE = {
+    "megatron.core.dist_checkpointing.serialization": ("no_dist=True",),
+    "megatron.core.dist_checkpointing.strategies.torch": ("no_dist=True", "mcore_to_pyt_state_dict(sharded_state_dict"),
+}
 
 
 class _DropMessages(logging.Filter):
@@ -98,7 +122,7 @@ def install_import_filters() -> None:
     _install(TORCH_MESSAGES)
     for prefixes in MEGATRON_WARNINGS.values():
         for prefix in prefixes:
-            category = FutureWarning if "is deprecated" in prefix else UserWarning
+            category = FutureWarning if prefix in FUTURE_WARNINGS else UserWarning
             warnings.filterwarnings("ignore", message=re.escape(prefix), category=category)
     warnings.filterwarnings("ignore", message=re.escape(NON_LEAF_GRAD), category=UserWarning,
                             module=NON_LEAF_GRAD_MODULES)
@@ -131,6 +155,7 @@ def check_messages(messages: dict[str, tuple[str, ...]]) -> None:
 def apply() -> None:
     # Filters first: the check imports the modules, and importing the MIMO config warns.
     install_import_filters()
-    check_messages({**MEGATRON_MESSAGES, **TORCH_MESSAGES, **MEGATRON_WARNINGS, **NON_LEAF_GRAD_CAUSE})
+    check_messages({**MEGATRON_MESSAGES, **TORCH_MESSAGES, **MEGATRON_WARNINGS, **NON_LEAF_GRAD_CAUSE,
+                    **CHECKPOINT_LOAD_CAUSE})
     check_non_leaf_grad_text()
     _install(MEGATRON_MESSAGES)

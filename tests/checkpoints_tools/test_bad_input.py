@@ -286,15 +286,16 @@ def test_tool_cli_refuses(case, tmp_path, hf_models, imported):
 
 
 def test_hf_mapping_refuses_mla_and_deepseek_routing():
-    """MLA goes to DeepseekV3ForCausalLM only where transformers computes the same (tiny-deepseek's
-    top-2 of 2 chosen groups scores a group by 1 expert, transformers by 2: refused by name;
-    top-4 exports); DeepSeek's MoE parts are refused by name in the Llama-family classes."""
+    """MLA goes to DeepseekV3ForCausalLM only where transformers computes the same (top-2 within 2
+    chosen groups of 4 scores a group by 1 expert, transformers by 2: refused by name; tiny-deepseek
+    as shipped, top-2 in 1 of 2 groups, exports); DeepSeek's MoE parts are refused by name in the
+    Llama-family classes."""
     from checkpoints_tools.mapping import hf_family
     from models.config import get_flavor
 
     with pytest.raises(ValueError, match="moe_router_topk / moe_router_group_topk = 2/2"):
-        hf_family(get_flavor("tiny-deepseek"))
-    assert hf_family(get_flavor("tiny-deepseek").model_copy(update=dict(moe_router_topk=4))) == "deepseek_v3"
+        hf_family(get_flavor("tiny-deepseek").model_copy(update=dict(moe_router_num_groups=4, moe_router_group_topk=2)))
+    assert hf_family(get_flavor("tiny-deepseek")) == "deepseek_v3"
     for update, field in ((dict(moe_layer_freq=[0, 1, 1, 1]), "moe_layer_freq"),
                           (dict(moe_router_topk_scaling_factor=2.5), "moe_router_topk_scaling_factor")):
         with pytest.raises(ValueError, match=field):

@@ -143,7 +143,7 @@ def test_import_trains_one_step_exports_what_it_trained_and_round_trips(hf_model
 
 def test_refusals(hf_models, tmp_path, capsys):
     """One line each: HF configs whose forward we do not reproduce, and our models
-    DeepseekV3ForCausalLM cannot hold (tiny-deepseek's 1 expert per chosen group among them)."""
+    DeepseekV3ForCausalLM cannot hold (1 expert per chosen group among them)."""
     src = hf_models["latent"]
     config = json.loads((src / "config.json").read_text())
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -159,11 +159,11 @@ def test_refusals(hf_models, tmp_path, capsys):
         assert code == 2 and "DeepseekV3ForCausalLM uses features we cannot reproduce" in err and words in err, err
         assert len(err.strip().splitlines()) == 1, err
     tiny = get_flavor("tiny-deepseek")
-    for model, words in [(tiny, "moe_router_topk / moe_router_group_topk = 2/2"),
-                         (tiny.model_copy(update={"norm_eps": 1e-5, "moe_router_group_topk": 1}), "norm_eps=1e-05"),
-                         (tiny.model_copy(update={"q_lora_rank": None, "moe_router_group_topk": 1}), "q_lora_rank=None"),
-                         (tiny.model_copy(update={"moe_layer_freq": [1, 0, 1, 1], "moe_router_group_topk": 1}),
-                          "moe_layer_freq=[1, 0, 1, 1]")]:
+    for model, words in [(tiny.model_copy(update={"moe_router_num_groups": 4, "moe_router_group_topk": 2}),
+                          "moe_router_topk / moe_router_group_topk = 2/2"),
+                         (tiny.model_copy(update={"norm_eps": 1e-5}), "norm_eps=1e-05"),
+                         (tiny.model_copy(update={"q_lora_rank": None}), "q_lora_rank=None"),
+                         (tiny.model_copy(update={"moe_layer_freq": [1, 0, 1, 1]}), "moe_layer_freq=[1, 0, 1, 1]")]:
         with pytest.raises(ValueError, match="no DeepseekV3ForCausalLM equivalent") as error:
             hf_format.to_hf_config(model, architecture="DeepseekV3ForCausalLM", dtype=torch.float32, bos_id=None,
                                    eos_id=None)
@@ -242,3 +242,20 @@ def test_deepseek_v3_flavor_exports_as_the_published_config():
     assert {f: ours[f] for f in fields} == {f: getattr(published, f) for f in fields}
     assert ours["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     assert ours["num_nextn_predict_layers"] == 0 and hf_format.serving_warnings(get_flavor("deepseek-v3")) == []
+
+
+def test_tiny_deepseek_as_shipped_trains_exports_and_verifies(tmp_path, capsys):
+    """The CPU flavor's own routing (top-2 inside 1 of 2 groups) is one DeepseekV3ForCausalLM
+    computes the same, so `python -m pretrain --recipe tiny-deepseek` -> export_hf -> verify
+    passes with no override (until this stop it needed model.moe_router_topk=4 to export)."""
+    from checkpoints_tools import verify
+    from tests.bad_input import run_cli
+
+    ckpt = tmp_path / "ckpt"
+    result = run_cli("pretrain", ["--recipe", "tiny-deepseek", "schedule.train_steps=3", f"checkpoint.dir={ckpt}",
+                                  f"logging.run_dir={tmp_path / 'run'}"], subprocess=True)
+    assert result.code == 0, result.output
+    code, err = run_main(export_hf, [ckpt, tmp_path / "hf", "--no-tokenizer"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["topk_group"] == 1
+    assert verify.main([str(ckpt), str(tmp_path / "hf")]) == 0, capsys.readouterr()

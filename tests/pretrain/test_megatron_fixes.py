@@ -152,6 +152,7 @@ OWN_LINES = (
     r"\[tiny-llama\] ",  # the banner and the closing line
     r"step \d+/\d+ \| loss ",  # the step lines
     r"saved checkpoint ",
+    r"resumed from ",
     r"encoder: ",  # preparing the demo data: which tokenizer encodes it (data_pipeline.preprocess)
 )
 
@@ -161,14 +162,18 @@ def test_a_single_rank_run_prints_no_library_warning(tmp_path):
     filters, tensorboard on, a save at the end) printed Megatron's cuda_graph deprecation, the
     MIMO config's experimental note, a non-leaf `.grad` warning raised through our CPU fix, and
     torch's reduce_scatter_tensor / all_gather_into_tensor deprecations. Any line that is not
-    one of ours fails, so a new library warning shows up here first."""
+    one of ours fails, so a new library warning shows up here first. Then the same run resumed
+    for two more steps: a resume printed torch's checkpoint-loader warnings about Megatron's
+    calls (no_dist, the reader's argument order, ShardedTensor's deprecation)."""
     from tests.bad_input import run_cli
 
-    result = run_cli("pretrain", ["--recipe", "tiny-llama", "schedule.train_steps=2", f"logging.run_dir={tmp_path / 'run'}",
-                                  f"checkpoint.dir={tmp_path / 'ckpt'}"],
-                     subprocess=True, env={"COLUMNS": "1000"})  # COLUMNS: rich does not wrap the encoder line
-    assert result.code == 0, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert any(line.startswith("step 2/2") for line in lines), result.output
-    unexpected = [line for line in lines if not any(re.match(own, line) for own in OWN_LINES)]
-    assert not unexpected, "\n".join(unexpected)
+    for steps in (2, 4):
+        result = run_cli("pretrain", ["--recipe", "tiny-llama", f"schedule.train_steps={steps}",
+                                      f"logging.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}"],
+                         subprocess=True, env={"COLUMNS": "1000"})  # COLUMNS: rich does not wrap the encoder line
+        assert result.code == 0, result.output
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert any(line.startswith(f"step {steps}/{steps}") for line in lines), result.output
+        assert (steps == 4) == any(line.startswith("resumed from ") for line in lines), result.output
+        unexpected = [line for line in lines if not any(re.match(own, line) for own in OWN_LINES)]
+        assert not unexpected, "\n".join(unexpected)
