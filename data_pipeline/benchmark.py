@@ -315,7 +315,7 @@ def _rate(run: dict) -> tuple[float, float]:
 # Seconds between samples of the peak-memory runs (not timed, so sampling's CPU is no cost):
 # without megatron.core's import a run on 100 MB lasts a few seconds, and a peak lasts as long
 # as a chunk's encode; at 0.2 s the samples missed some (Llama-3 -j2 peaks read 605-648 MB at
-# 0.2 s against 631-632 at 0.05, README).
+# 0.2 s against 631-632 at 0.05, docs/benchmarks.md).
 RSS_SAMPLE_INTERVAL = 0.05
 ONE_WORKER_PROCESS = -1  # RUNS' workers for b1: -j1 with a worker process beside the main one
 # key: (what, encoder, processes or workers, threads, description)

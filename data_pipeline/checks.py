@@ -5,7 +5,7 @@ Used by data_pipeline's CLIs, pretrain (config validation and `python -m pretrai
 launch and checkpoints_tools. It lives here because data_pipeline imports no other folder
 of ours, while the others may import it (as data_pipeline.processes).
 
-The contract (README, "Bad input"): bad input is refused before any expensive work with
+The contract (docs/reliability.md): bad input is refused before any expensive work with
 one line `error: <what is wrong and how to fix it>` on stderr and exit status 2, no
 traceback; an environment failure during the work (disk full, file-size limit) is one
 line too, exit status 1, and loses nothing (outputs are written atomically).

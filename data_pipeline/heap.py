@@ -2,7 +2,7 @@
 
 Preprocess's processes hold a tokenizer each and encode chunks of text; what glibc keeps of
 their freed buffers is copied into every forked worker and counted in the run's peak memory
-(README, "Memory with gigatoken"). Where the C library is not glibc (macOS, musl) these
+(docs/benchmarks.md, "Memory with gigatoken"). Where the C library is not glibc (macOS, musl) these
 calls do nothing and say so (False).
 """
 
@@ -29,7 +29,7 @@ def return_freed_memory() -> bool:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim; False where
     there is none). Loading a tokenizer.json into gigatoken frees its parse buffers but
     glibc keeps the pages: Llama-3's load leaves the process 117 MB larger, 71 MB after the
-    trim, and forked workers would inherit the difference (README: preprocess's peak memory)."""
+    trim, and forked workers would inherit the difference (docs/benchmarks.md: preprocess's peak memory)."""
     trim = _glibc_function("malloc_trim")
     return trim is not None and bool(trim(0))
 
@@ -39,7 +39,7 @@ def keep_large_buffers_unmapped() -> bool:
     Above it an allocation is a mapping of its own, handed back when freed; but glibc raises
     the threshold (up to 32 MiB) whenever such a block is freed, after which the next long
     documents come from the heap, whose freed pages stay resident: Llama-3's gigatoken workers
-    ended 25 MB larger each on the 108 MB benchmark corpus (README, "Memory with gigatoken").
+    ended 25 MB larger each on the 108 MB benchmark corpus (docs/benchmarks.md, "Memory with gigatoken").
     The trim threshold is pinned at twice that, as glibc's own rule sets it."""
     mallopt = _glibc_function("mallopt")
     return (mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1

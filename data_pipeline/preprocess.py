@@ -38,7 +38,7 @@ from data_pipeline.tokenizers import TokenizerLoadError, absolute_spec, load_tok
 DEFAULT_CHUNK_BYTES = 1 << 20
 # A tokenizer holds a whole document at once, at many times its size: one 50 MB document
 # peaked at 2.7 GB with SentencePiece (0.34 GB for the same text as 20 kB documents), 0.64
-# GB with Llama-3's tiktoken (data_pipeline.benchmark's sampler; README). Longer documents
+# GB with Llama-3's tiktoken (data_pipeline.benchmark's sampler; docs/benchmarks.md). Longer documents
 # are bad records, so memory per worker stays bounded whatever the input holds.
 DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 # A worker that grew by more is replaced (workers.retire_after): gigatoken's cache of encoded
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipeline.output_paths import OutputError
 
     args = build_parser().parse_args(argv)
-    # Before the tokenizer loads: the heap workers fork with is then less holed (README).
+    # Before the tokenizer loads: the heap workers fork with is then less holed (docs/benchmarks.md).
     keep_large_buffers_unmapped()
     console = Console(stderr=True)
     # Slurm preemption and `kill` send SIGTERM: unwind like Ctrl-C so temporaries go away.

@@ -14,14 +14,14 @@ checks of every record are Python and would stay on one core in that process; as
 processes they scale with the rest. gigatoken encodes one document per call, on the
 calling thread, so its thread pool never starts (and a fork cannot inherit a pool
 without its threads). The benchmark measures both (t2:gigatoken against
-a2:gigatoken; README).
+a2:gigatoken; docs/benchmarks.md).
 
 Ids come back through shared memory where workers are forked (`TokenSlots`): a worker
 writes a chunk's ids into the slot of that chunk and sends only their count and the
 document lengths; the main process writes the output from the slot. Pickled through
 the result queue, 114 MB of Llama-3 text's int32 ids cost ~0.25 CPU-s in the main
 process and ~0.1 in the worker (copies into and out of the pipe); through the slots,
-~0.06 and ~0.03 (README).
+~0.06 and ~0.03 (docs/benchmarks.md).
 """
 
 from __future__ import annotations

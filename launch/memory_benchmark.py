@@ -1,6 +1,6 @@
 """Per-rank static memory under ZeRO-1/2/3 at DP1, DP2 and DP4: measured against the planner.
 
-    # tiny-llama in fp32 on CPU (gloo ranks on this machine): the README's sharded-DP memory table
+    # tiny-llama in fp32 on CPU (gloo ranks on this machine): docs/benchmarks.md's sharded-DP memory table
     python -m launch.memory_benchmark
     python -m launch.memory_benchmark --dp 2 4 --zero 3 parallel.hsdp_replicas=2   # HSDP
     python -m launch.memory_benchmark --recipe tiny-moe --json runtime.dtype=bf16

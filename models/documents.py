@@ -9,7 +9,7 @@ Pretraining packs documents end to end into fixed-length samples. With Megatron-
 boundaries cheaply: `position_ids` (restarting, from Megatron's GPTDataset) and
 `document_ids` [b, s] (data_pipeline.datasets.document_ids: the number of EODs before each
 token). Megatron's dataset could instead ship an s x s mask per sample (4096^2 bytes as
-bool, built through an fp32 tril of 64 MiB: README "Document masking" has the numbers);
+bool, built through an fp32 tril of 64 MiB: docs/benchmarks.md, "Document masking on CPU", has the numbers);
 we keep that off and build what the attention needs here, once per forward of a chunk:
 
 - `portable` spec, CP 1: a [b, 1, s, s] bool mask (True = hidden: other document or a later

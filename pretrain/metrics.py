@@ -102,7 +102,7 @@ class StepMetrics:
     mtp_loss_layers: Optional[list[float]] = None
     # Document masking (data.reset_attention_mask): the share of dense causal attention work
     # that ran (models.flops.document_attention_fraction, mean over the logging rank's
-    # samples). tflops_per_device and mfu still count the dense formula (see README).
+    # samples). tflops_per_device and mfu still count the dense formula (docs/document-masking.md).
     attention_fraction: Optional[float] = None
     # Straggler report steps only (logging.straggler_interval): the rank furthest above its
     # pipeline stage's median forward/backward compute time per step, over the interval.

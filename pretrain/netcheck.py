@@ -7,8 +7,8 @@ where every rank landed (rank -> host -> parallel coordinates).
 gloo picks the address a rank listens on from its hostname unless GLOO_SOCKET_IFNAME names
 an interface. A hostname mapped to 127.0.x.x (Debian's default `127.0.1.1 HOST` line) is
 refused on a job of several nodes, so the interface is never left to a fallback (whether a
-loopback-resolving hostname breaks the job depends on the torch/gloo version: see the README
-"Multi-node" troubleshooting table).
+loopback-resolving hostname breaks the job depends on the torch/gloo version: see the multi-node
+troubleshooting table in docs/launching.md).
 An interface override naming no interface of the node fails inside the C++ device setup
 with a message that does not name the variable. Both are refused here, with the fix.
 """

@@ -203,7 +203,7 @@ def _environment(spec: JobSpec) -> list[str]:
 
 
 def _free_port_program() -> list[str]:
-    """launch/ports.py without its docstring: run by the batch host's python3 (README: Slurm)."""
+    """launch/ports.py without its docstring: run by the batch host's python3 (docs/launching.md)."""
     from launch import ports
 
     return Path(ports.__file__).read_text().split('"""', 2)[2].strip().splitlines()

@@ -32,10 +32,10 @@ KINDS = ("gemm_bf16", "gemm_fp8", "gemm_fp8_delayed", "attention", "memory", "ge
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Efficiencies:
-    # Fitted by fit_efficiencies over launch/planner/published.yaml (H100 SXM): see README's
-    # table "Planner vs published runs". Sources: Megatron-Bridge docs/performance-summary.md
-    # (25.09, 25.11, 26.02 DGX-H100 tables) and README "Measured on one H100 80GB SXM".
-    # Fitted: ours-h100 BF16 rows (46.3% / 43.9% MFU, README) with the FP8 rows' BF16 logits.
+    # Fitted by fit_efficiencies over launch/planner/published.yaml (H100 SXM): see the
+    # table in docs/planner.md, "Checked against measured runs". Sources: Megatron-Bridge docs/performance-summary.md
+    # (25.09, 25.11, 26.02 DGX-H100 tables) and docs/benchmarks.md, "GPU: one H100".
+    # Fitted: ours-h100 BF16 rows (46.3% / 43.9% MFU, docs/benchmarks.md) with the FP8 rows' BF16 logits.
     gemm_bf16: float = 0.483
     # Fitted: Megatron-Bridge's 8 DGX-H100 FP8-CS rows (8B, 70B, 405B).
     gemm_fp8: float = 0.494

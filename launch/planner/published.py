@@ -3,7 +3,7 @@ published DGX-H100 table and this stack's own H100 measurements), each estimated
 layout, and the fit of the per-kind efficiencies (launch.planner.efficiency) to them (MoE rows
 are reported, not fitted: `calibration_rows`).
 
-    python -m launch.planner.published            # the table (markdown), as in the README
+    python -m launch.planner.published            # the table (markdown), as in docs/planner.md
     python -m launch.planner.published --fit      # refit the efficiencies and print them
     python -m launch.planner.published --rank     # where the planner ranks each `fastest` layout
     python -m launch.planner.published --rank --top 10   # + the 10 fastest, each with its breakdown

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 from pretrain.checkpointing.metadata import UnsafeCheckpoint, read_metadata_safely
 
-# The format-version policy (README, "Checkpoint format versions"): a change that alters what
+# The format-version policy (docs/checkpoints.md, "Checkpoint format versions"): a change that alters what
 # a checkpoint holds or how it is read raises FORMAT_VERSION and adds a fixture
 # (tests/pretrain/fixtures/checkpoint_v<N>). This code resumes every version from
 # OLDEST_READABLE on, bitwise; an older one is refused with the command that converts it,

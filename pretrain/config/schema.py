@@ -204,7 +204,7 @@ class DataConfig(_Strict):
     # only to earlier tokens of its own document. reset_position_ids: positions (RoPE or
     # learned) restart at 0 after each EOD. eod_mask_loss: no loss on positions whose input
     # is EOD (the prediction of the next document's first token). All off by default: see
-    # the README's "Document masking" for why.
+    # docs/document-masking.md for why.
     reset_attention_mask: bool = False
     reset_position_ids: bool = False
     eod_mask_loss: bool = False

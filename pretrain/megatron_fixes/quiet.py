@@ -12,7 +12,7 @@ message would slip through the filter, and the decision behind it may need a fre
   Nothing of ours compiles a CUDA extension. Installed before megatron.core is imported
   (`install_import_filters`, called from the `pretrain` package).
 - `models/gpt/gpt_model.py`, `GPTModel.__init__`: "GPTModel IS DEPRECATED ..." on every model
-  build. We stay on GPTModel with 0.19 (README: "GPTModel or HybridModel"; no removal version
+  build. We stay on GPTModel with 0.19 (docs/upgrading.md, "GPTModel or HybridModel"; no removal version
   is announced, and `tests/models/test_upstream_model.py` fails the day it goes).
 - `distributed/distributed_data_parallel.py`: "full_param_layout not provided with
   use_distributed_optimizer=True" with ZeRO-1. DDP then computes the layout itself with its own

@@ -10,7 +10,7 @@ the top operators (printed by the lowest profiled rank, written by each as top_o
 Forward, backward and optimizer show as ranges (`pretrain.observe.timers`).
 
 nsys mode (CUDA): cudaProfilerStart/Stop around the window and NVTX ranges, for
-`nsys profile --capture-range=cudaProfilerApi` (README: "Profiling").
+`nsys profile --capture-range=cudaProfilerApi` (docs/observability.md, "Profiler").
 
 A memory snapshot (CUDA) records the caching allocator's history during one step and dumps
 it as memory_snapshot.pickle (pytorch.org/memory_viz).

@@ -20,7 +20,7 @@ the GIL inside collectives and operators. (A C extension that blocks while holdi
 GIL would stall the watchdog too; the process group's own timeout is the backstop there.)
 
 nvidia-resiliency-ext's fault_tolerance (heartbeat monitor processes started by its own
-launcher, ft_launcher) was evaluated and not used: see the README, "Hang watchdog".
+launcher, ft_launcher) was evaluated and not used: see docs/observability.md, "Hang watchdog".
 """
 
 from __future__ import annotations
