@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -42,14 +42,20 @@ def distributed_optimizers(optimizer) -> list:
     return [opt for opt in inner if isinstance(opt, DistributedOptimizer)]
 
 
-def sharded_param_state_for_save(opt, model_sharded_state_dict) -> dict | None:
+def sharded_param_state_for_save(opt, model_sharded_state_dict) -> dict | LocalNonpersistentObject:
     """`DistributedOptimizer.sharded_param_state_fully_reshardable(..., is_loading=False)`,
-    the same state dict without the triple copy (None on DP ranks other than 0)."""
+    the same state dict without the triple copy (nothing to save on DP ranks other than 0)."""
     buffers = opt.__dict__.setdefault("_fast_save_buffers", {})  # reused from save to save
     group = _gather_group(opt)
     if group.size() > 1 and group.rank() != 0:
         _send_shards(opt, group, buffers)
-        return None
+        # Megatron returns a plain None here, which lands in this rank's common state dict
+        # (rank 0's param_state is all sharded tensors), so every save of a DP > 1 run logged
+        # "Rank 1 common state dict differs from rank 0 ... Keys only on 1: [('optimizer',
+        # 'param_state')]". A non-persistent None is what Megatron's dp_zero format gives DP
+        # ranks > 0: left out of the checkpoint, as the plain None was (only rank 0's common
+        # state is written).
+        return LocalNonpersistentObject(None)
     metadata_of = {sh.data: sh for sh in nested_values(
         extract_sharded_tensors_and_factories(model_sharded_state_dict)[0])}
     gathered = _gather_shards(opt, group, buffers) if group.size() > 1 else None

@@ -30,6 +30,7 @@ cluster cannot run; a failure under PRETRAIN_REQUIRE_SLURM=1 (CI).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -113,6 +114,25 @@ def _rank_pid(run_dir: Path, rank: int) -> int:
     raise AssertionError(f"no process of rank {rank} for {run_dir}")
 
 
+def _strike(name: str, job_id: str, run_dir: Path, layout, env: dict, record: dict) -> None:
+    """The fault for job `name`, then the time of the strike into `record`."""
+    from launch.launchers import ci_multinode
+
+    if name in ("crash", "save", "elastic"):
+        victim = _nodes_of(name, job_id, env)[1]
+        ci_multinode.crash_node(layout, int(victim.removeprefix("mn")))
+        record["node"] = victim
+    elif name == "cut":
+        victim = _nodes_of(name, job_id, env)[1]
+        ci_multinode.cut_network(layout, int(victim.removeprefix("mn")))
+        record["node"] = victim
+    elif name == "usr1":
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True)
+    else:
+        os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)  # the second node's
+    record["t0"] = time.monotonic()
+
+
 @pytest.fixture(scope="module")
 def faults(cluster, module_tmp_factory):
     """Submit every job (started together), run the reference, strike each job after
@@ -146,6 +166,7 @@ def faults(cluster, module_tmp_factory):
     times: dict[str, dict[str, float]] = {name: {} for name in FAULTS}
     pending = set(FAULTS)
     deadline = time.monotonic() + 420
+    pool, strikes = concurrent.futures.ThreadPoolExecutor(max_workers=len(FAULTS)), []
     while pending:  # strike each job past its first checkpoint (`save`: while it writes the next)
         assert time.monotonic() < deadline, {n: describe(jobs[n][1]) for n in pending}
         for name in sorted(pending):
@@ -161,21 +182,15 @@ def faults(cluster, module_tmp_factory):
             if name == "cut" and not _just_saved(run_dir, last):
                 continue
             times[name]["struck_after_step"] = last
-            if name in ("crash", "save", "elastic"):
-                victim = _nodes_of(name, job_id, env)[1]
-                ci_multinode.crash_node(layout, int(victim.removeprefix("mn")))
-                times[name]["node"] = victim
-            elif name == "cut":
-                victim = _nodes_of(name, job_id, env)[1]
-                ci_multinode.cut_network(layout, int(victim.removeprefix("mn")))
-                times[name]["node"] = victim
-            elif name == "usr1":
-                subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True)
-            else:
-                os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)  # the second node's
-            times[name]["t0"] = time.monotonic()
+            # In a thread: a strike runs scontrol / scans processes, seconds on a loaded machine,
+            # and the poll must not miss the other jobs' windows meanwhile (the cut job's, a
+            # step long, was missed in every run of a repeat beside two busy helpers).
+            strikes.append(pool.submit(_strike, name, job_id, run_dir, layout, env, times[name]))
             pending.discard(name)
         time.sleep(0.02)
+    pool.shutdown()
+    for strike in strikes:
+        strike.result()  # a strike's own failure, raised here
     _time_recovery(jobs, times, env)
     # The cut node comes back while the job trains elsewhere: its stray ranks (if any are
     # left) must not touch the run's checkpoints.
