@@ -41,6 +41,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+# At the top, not where the poll first needs it: importing pretrain (torch, Megatron-Core) took
+# 21 s on a loaded machine, inside the strike loop, while the jobs trained all their steps.
+from pretrain.checkpointing.format import read_latest, step_dir_name
 from tests.launch.slurm_helpers import describe, job_info, multinode_cluster, submit, wait_for_job
 from tests.launch.test_multinode import _cache, one_node_reference
 
@@ -87,8 +90,6 @@ def _last_step(run_dir: Path) -> int:
 def _just_saved(run_dir: Path, last: int) -> bool:
     """The last logged step `last` (past the first save) is the last complete checkpoint: the
     run is in the steps (timed by the watchdog) between two saves (not timed)."""
-    from pretrain.checkpointing.format import read_latest, step_dir_name
-
     return last >= 2 * SAVE_EVERY and read_latest(run_dir / "checkpoints") == step_dir_name(last)
 
 
@@ -183,8 +184,8 @@ def faults(cluster, module_tmp_factory):
                 continue
             times[name]["struck_after_step"] = last
             # In a thread: a strike runs scontrol / scans processes, seconds on a loaded machine,
-            # and the poll must not miss the other jobs' windows meanwhile (the cut job's, a
-            # step long, was missed in every run of a repeat beside two busy helpers).
+            # and the poll must not miss the other jobs' windows meanwhile (the cut job's is a
+            # step long).
             strikes.append(pool.submit(_strike, name, job_id, run_dir, layout, env, times[name]))
             pending.discard(name)
         time.sleep(0.02)
