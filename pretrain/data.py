@@ -90,6 +90,9 @@ def _collate(samples: list[dict], eod: Optional[int]) -> dict:
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
     if eod is not None:
         batch["document_ids"] = document_ids(batch["tokens"], eod)
+        # The document of each label (token i+1): MTP's cross-document predictions are dropped with it
+        # (models.documents.mtp_document_loss_mask).
+        batch["label_document_ids"] = batch["document_ids"] + (batch["tokens"] == eod).to(torch.int32)
     return batch
 
 
