@@ -31,6 +31,15 @@ for CP; position_ids reach only learned absolute embeddings). `DocumentGPTModel.
 with `reset_position_ids` replaces that table by upstream's own table indexed with the
 batch's position ids ([s, b, 1, d]; under CP the ids are already this rank's chunks, as
 `get_batch_on_this_cp_rank` slices them). Learned absolute embeddings already use them.
+Multi-latent attention: upstream builds no table in GPTModel (each MLA layer makes its own for
+0..s-1), so the slot carries a table at MLA's RoPE head size to models.mla's
+PositionedMLASelfAttention (portable spec).
+
+Multi-token prediction (one MTP layer): its layer-1 prediction at position i reads tokens i
+and i+1 and predicts token i+2, across document boundaries as Megatron-Core shifts the whole
+sample; `mtp_document_loss_mask` drops, per document, the predictions at its last two tokens
+(the target lies in the next document), from `label_document_ids` (pretrain.data's collate).
+The MTP layer's attention gets the same document mask and RoPE table as the decoder's.
 """
 
 from __future__ import annotations
