@@ -170,6 +170,29 @@ def test_mtp_loss_of_packed_documents_is_the_documents_alone():
     assert abs(result["unmasked"] - result["alone_mtp"]) > 5e-4 * result["alone_mtp"], result  # measured 1.0e-3
 
 
+def test_mtp_document_loss_mask_by_hand():
+    """Tokens a b EOD | c d e EOD | f: the verdict for MTP position i (tokens i, i+1 and target
+    i+2 in one document) sits at mask[i + 1], where Megatron-Core's roll reads it; mask[0]
+    keeps each sample's sum at s (the token count process_mtp_loss weighs MTP by)."""
+    import torch
+
+    from data_pipeline.datasets import document_ids
+    from models.documents import mtp_document_loss_mask
+    from pretrain.data import _collate
+
+    eod = 3
+    tokens = [10, 11, eod, 12, 13, 14, eod, 15]
+    sample = {"tokens": tokens, "labels": tokens[1:] + [16], "loss_mask": [1.0] * 8, "position_ids": list(range(8))}
+    batch = _collate([sample, sample], eod)
+    docs = document_ids(torch.tensor(tokens + [16]), eod).tolist()  # the documents of tokens 0..8
+    one_document = [docs[i] == docs[i + 2] for i in range(7)]  # positions 0..6; 7 is rolled out
+    assert one_document == [True, False, False, True, True, False, False]
+    mask = mtp_document_loss_mask(batch["document_ids"], batch["label_document_ids"])
+    assert mask.shape == (2, 8)
+    assert mask[:, 1:].tolist() == [[float(v) for v in one_document]] * 2
+    assert mask.sum(-1).tolist() == [8.0, 8.0]
+
+
 # --- layouts against one rank ---------------------------------------------------------------
 
 STEPS = 5
