@@ -90,8 +90,9 @@ def mla_logits_vs_alone() -> dict:
             odd_key = (torch.arange(2 * n) % 2 == 1)[None, :] & ~torch.eye(2 * n, dtype=torch.bool)
             hidden = (later | odd_key)[None, None]  # True = hidden; odd queries see only themselves
             want = plain(long, torch.arange(2 * n)[None], hidden)[0][0::2]
-        return {"packed": _relative(packed, alone, model_config.vocab_size), "unrestarted": _relative(unrestarted, alone, model_config.vocab_size),
-                "gapped": _relative(got, want, model_config.vocab_size), "gaps_ignored": _relative(ignored, want, model_config.vocab_size),
+        vocab = model_config.vocab_size
+        return {"packed": _relative(packed, alone, vocab), "unrestarted": _relative(unrestarted, alone, vocab),
+                "gapped": _relative(got, want, vocab), "gaps_ignored": _relative(ignored, want, vocab),
                 "shape": list(packed.shape)}
     finally:
         shutdown()
@@ -212,6 +213,8 @@ LAYOUTS = {  # name -> (ranks, overrides, reference)
     "TP2-SP-docs": (2, TP2_SP, "ref"),
     "TP2-SP-docs-mtp": (2, TP2_SP + MTP, "ref-mtp"),
     "PP2-docs-mtp": (2, ["parallel.pipeline_parallel=2"] + MTP, "ref-mtp"),
+    # Whole layers recomputed in the backward: the RoPE table travels as a layer argument.
+    "recompute-docs-mtp": (1, ["runtime.recompute=full"] + MTP, "ref-mtp"),
 }
 REFERENCES = {"ref": [], "ref-mtp": MTP}
 OPTIMIZER_PREFIXES = ("optimizer.", "chained_")
@@ -259,7 +262,8 @@ def runs(module_tmp_factory) -> dict:
     return {"root": root, "data": data, **refs}
 
 
-@pytest.mark.parametrize("name", ["TP2-SP-docs", "TP2-SP-docs-mtp", pytest.param("PP2-docs-mtp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["TP2-SP-docs", "TP2-SP-docs-mtp", "recompute-docs-mtp",
+                                  pytest.param("PP2-docs-mtp", marks=pytest.mark.slow)])
 def test_deepseek_documents_layout_matches_one_rank(runs, name):
     nproc, extra, ref = LAYOUTS[name]
     got = run_layout(runs["root"], name, nproc, extra, runs["data"])
