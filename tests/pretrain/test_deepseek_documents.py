@@ -270,6 +270,17 @@ def test_deepseek_documents_layout_matches_one_rank(runs, name):
     print("\n" + compare(got, runs[ref], name))
 
 
+def test_a_doubled_mtp_gradient_shows(runs):
+    """The layouts' tolerance catches an MTP gradient twice too large at this lr (1e-3):
+    mtp_loss_scaling_factor 0.2 for 0.1."""
+    doubled = run_layout(runs["root"], "doubled", 1, MTP + ["model.mtp_loss_scaling_factor=0.2"], runs["data"])
+    want = runs["ref-mtp"]
+    assert doubled["loss"][0] == want["loss"][0]  # same start: only the gradient differs
+    worst = max(abs(a - b) / abs(b) for a, b in zip(doubled["loss"], want["loss"], strict=True))
+    print(f"\ndoubled MTP gradient: loss off by {worst:.1e} relative")
+    assert worst > 1e-4, worst
+
+
 # --- refused, in one line, before any process group (mtp_num_layers=2: test_mtp.py) --------
 
 @pytest.mark.parametrize("overrides, spec, message", [
