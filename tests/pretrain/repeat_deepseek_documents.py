@@ -1,6 +1,7 @@
 """Run every layout of test_deepseek_documents N times against its one-rank reference.
 
-    python -m tests.pretrain.repeat_deepseek_documents --times 20     # TP2-SP-docs, TP2-SP-docs-mtp, PP2-docs-mtp
+    python -m tests.pretrain.repeat_deepseek_documents --times 20     # every layout
+    python -m tests.pretrain.repeat_deepseek_documents --times 20 TP2-SP-docs TP2-SP-docs-mtp
     python -m tests.pretrain.repeat_deepseek_documents --times 5 PP2-docs-mtp
 
 A multi-rank test is trusted after it passed 20 times in a row; the pytest module recomputes

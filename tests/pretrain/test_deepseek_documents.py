@@ -213,6 +213,8 @@ LAYOUTS = {  # name -> (ranks, overrides, reference)
     "TP2-SP-docs": (2, TP2_SP, "ref"),
     "TP2-SP-docs-mtp": (2, TP2_SP + MTP, "ref-mtp"),
     "PP2-docs-mtp": (2, ["parallel.pipeline_parallel=2"] + MTP, "ref-mtp"),
+    "PP2xVPP2-docs-mtp": (2, ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2"] + MTP, "ref-mtp"),
+    "EP2-docs-mtp": (2, ["parallel.expert_parallel=2"] + MTP, "ref-mtp"),
     # Whole layers recomputed in the backward: the RoPE table travels as a layer argument.
     "recompute-docs-mtp": (1, ["runtime.recompute=full"] + MTP, "ref-mtp"),
 }
@@ -263,7 +265,8 @@ def runs(module_tmp_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", ["TP2-SP-docs", "TP2-SP-docs-mtp", "recompute-docs-mtp",
-                                  pytest.param("PP2-docs-mtp", marks=pytest.mark.slow)])
+                                  *(pytest.param(name, marks=pytest.mark.slow)
+                                    for name in ("PP2-docs-mtp", "PP2xVPP2-docs-mtp", "EP2-docs-mtp"))])
 def test_deepseek_documents_layout_matches_one_rank(runs, name):
     nproc, extra, ref = LAYOUTS[name]
     got = run_layout(runs["root"], name, nproc, extra, runs["data"])
