@@ -31,6 +31,15 @@ for CP; position_ids reach only learned absolute embeddings). `DocumentGPTModel.
 with `reset_position_ids` replaces that table by upstream's own table indexed with the
 batch's position ids ([s, b, 1, d]; under CP the ids are already this rank's chunks, as
 `get_batch_on_this_cp_rank` slices them). Learned absolute embeddings already use them.
+Multi-latent attention: upstream builds no table in GPTModel (each MLA layer makes its own for
+0..s-1), so the slot carries a table at MLA's RoPE head size to models.mla's
+PositionedMLASelfAttention (portable spec).
+
+Multi-token prediction (one MTP layer): its layer-1 prediction at position i reads tokens i
+and i+1 and predicts token i+2, across document boundaries as Megatron-Core shifts the whole
+sample; `mtp_document_loss_mask` drops, per document, the predictions at its last two tokens
+(the target lies in the next document), from `label_document_ids` (pretrain.data's collate).
+The MTP layer's attention gets the same document mask and RoPE table as the decoder's.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from models.context_parallel import natural_order
+from models.mla import mla_rotary
 
 
 def rope_at_positions(rotary: torch.nn.Module, position_ids: Tensor) -> Tensor:
@@ -100,6 +110,34 @@ def packed_sequence_params(document_ids: Tensor) -> PackedSeqParams:
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
+def mtp_document_loss_mask(document_ids: Tensor, label_document_ids: Tensor) -> Tensor:
+    """The `loss_mask` [b, s] to hand GPTModel so that one MTP layer counts only predictions
+    inside one document.
+
+    MTP layer 1 at position i joins the main model's hidden state at token i with the embedding
+    of token i+1 and predicts token i+2 (labels[i+1]). It must count only when tokens i, i+1 and
+    i+2 lie in one document: document_ids[i] == label_document_ids[i+1] (the document of
+    labels[j], i.e. of token j+1, is label_document_ids[j]; documents only grow along a sample,
+    so equal ends mean one document throughout). So it drops, per document, the predictions at
+    its last two tokens (the EOD, and the token before it): their target lies in the next one.
+    Megatron-Core's `process_mtp_loss` (0.19.2) rolls `loss_mask` left by one per MTP layer
+    before applying it (position i reads mask[i + 1]; the last position gets 0), so the mask
+    we pass holds at j the verdict for position j-1. One roll per depth cannot express depth
+    2 (it would need tokens i..i+3), hence mtp_num_layers=1. The mask reaches only MTP's loss:
+    GPTModel's main loss ignores it (pretrain.step masks the main loss itself).
+
+    mask[:, 0] is never a verdict (rolled out), but its sum is read: with per-token loss (ours)
+    process_mtp_loss weighs the MTP loss by `loss_mask.sum()` before the roll (the micro-batch's
+    token count) over the count after it. Without a mask that count is b x s; mask[:, 0] holds
+    1 + the sample's dropped positions so the sum stays s per sample and MTP's weight in the
+    gradient is that of a run without documents (the MTP loss itself is the mean over the
+    counted predictions either way)."""
+    mask = torch.ones(document_ids.shape, dtype=torch.float32, device=document_ids.device)
+    mask[:, 1:] = (document_ids[:, :-1] == label_document_ids[:, 1:]).float()
+    mask[:, 0] = 1 + (mask[:, 1:] == 0).sum(-1)
+    return mask
+
+
 class DocumentGPTModel(GPTModel):
     """Megatron-Core's GPTModel with document masking (see the module docstring).
 
@@ -113,14 +151,25 @@ class DocumentGPTModel(GPTModel):
         super().__init__(*args, **kwargs)
         self.reset_position_ids = reset_position_ids
         self.packed = packed
+        if reset_position_ids and self.config.multi_latent_attention and not packed:
+            # No parameters or buffers (inv_freq is a plain attribute): checkpoints are unchanged.
+            self.mla_rotary_pos_emb = mla_rotary(self.config)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor],
-                *args, document_ids: Optional[Tensor] = None, **kwargs) -> Tensor:
+                *args, document_ids: Optional[Tensor] = None, label_document_ids: Optional[Tensor] = None,
+                **kwargs) -> Tensor:
         if document_ids is None:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         if attention_mask is not None or args or kwargs.get("packed_seq_params") is not None:
             raise ValueError("document_ids replace attention_mask and packed_seq_params; pass them by "
                              "keyword (labels=...) and not together")
+        if self.config.mtp_num_layers:
+            if self.packed or self.config.mtp_num_layers != 1 or label_document_ids is None:
+                raise ValueError("document masking with MTP needs the portable spec, mtp_num_layers=1 and "
+                                 "label_document_ids (pretrain.data's collate makes them)")
+            mtp_mask = mtp_document_loss_mask(document_ids, label_document_ids)
+            given = kwargs.get("loss_mask")
+            kwargs["loss_mask"] = mtp_mask if given is None else given * mtp_mask
         if self.packed:
             return self._packed_forward(input_ids, position_ids, document_ids, **kwargs)
         cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
@@ -139,11 +188,29 @@ class DocumentGPTModel(GPTModel):
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
-        if (self.reset_position_ids and not self.packed and position_ids is not None
-                and self.position_embedding_type == "rope" and out[1] is not None):
+        if not (self.reset_position_ids and not self.packed and position_ids is not None
+                and self.position_embedding_type == "rope"):
+            return out
+        if self.config.multi_latent_attention:
+            # Upstream builds no table for MLA (each MLA layer makes its own for 0..s-1); the slot
+            # carries ours to models.mla.PositionedMLASelfAttention, at MLA's RoPE head size.
+            _check_mla_rotary_slot(out)
+            return (out[0], rope_at_positions(self.mla_rotary_pos_emb, position_ids), *out[2:])
+        if out[1] is not None:
             _check_rotary_slot(out, position_ids)
             out = (out[0], rope_at_positions(self.rotary_pos_emb, position_ids), *out[2:])
         return out
+
+
+def _check_mla_rotary_slot(out) -> None:
+    """Guard for the MLA branch above (megatron-core 0.19.2): GPTModel._preprocess builds no RoPE
+    table with multi_latent_attention and leaves the second item None. If upstream starts filling
+    it, our table would replace something we have not read: fail instead."""
+    if not (isinstance(out, tuple) and len(out) > 1 and out[1] is None):
+        raise RuntimeError(
+            "models/documents.py: GPTModel._preprocess now returns a RoPE table for multi_latent_attention "
+            f"(got {type(out[1] if isinstance(out, tuple) and len(out) > 1 else out).__name__}); MLA's "
+            "reset_position_ids was written for megatron-core 0.19.2: re-check DocumentGPTModel._preprocess")
 
 
 def _check_rotary_slot(out, position_ids: Tensor) -> None:

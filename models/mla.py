@@ -35,6 +35,21 @@ latent q norm at TP > 1. Marking the weights `average_gradients_across_tp_domain
 first there; upstream's DSA indexer does the same) averages identical gradients instead: a
 no-op. With sequence parallelism each rank normalises its own tokens, so the weights carry
 the `sequence_parallel` mark (PortableNorm) and are summed, as every SP norm.
+
+RoPE at per-token positions (data.reset_position_ids). Megatron-Core's MLASelfAttention
+(0.19.2) builds its RoPE table for positions 0..s-1 inside `get_query_key_value_tensors`
+(`self.rotary_pos_emb(rotary_seq_len)`), takes no position ids (TransformerLayer passes none)
+and asserts that no `rotary_pos_emb` is passed in; so packed documents never restarted MLA's
+RoPE. `PositionedMLASelfAttention` accepts the `rotary_pos_emb` slot that TransformerLayer
+hands every attention: when models.documents.DocumentGPTModel puts there the table at the
+batch's position ids ([s, b, 1, qk_pos_emb_head_dim], built by `mla_rotary` below with
+upstream's own `get_emb`), the layer's RoPE module returns that table instead of 0..s-1 for
+this call, and upstream applies it to q and to the shared RoPE key unchanged (its unfused
+`apply_rotary_pos_emb` broadcasts [s, b, 1, d] over the heads). Without a table (every run
+without reset_position_ids) the slot is None and the forward is upstream's, bit for bit. A
+tensor in the slot (not a flag on the module) survives activation recompute, which re-runs
+the layer with its arguments. Only `rope_type="rope"` (YaRN is not offered here) and CP 1;
+a guard fails at construction if upstream's MLA RoPE is no longer the one `mla_rotary` builds.
 """
 
 from __future__ import annotations
@@ -44,9 +59,11 @@ from typing import Optional
 
 import torch
 
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -122,9 +139,55 @@ class LatentNorm(PortableNorm):
                 p.average_gradients_across_tp_domain = True
 
 
+def mla_rotary(config: TransformerConfig) -> RotaryEmbedding:
+    """The RoPE module MLASelfAttention builds for `rope_type="rope"` (0.19.2's arguments)."""
+    return RotaryEmbedding(config.qk_pos_emb_head_dim, rotary_percent=config.rotary_percent,
+                           rotary_base=config.rotary_base)
+
+
+class _GivenTableRotary(RotaryEmbedding):
+    """MLA's RotaryEmbedding that returns `table` (RoPE at per-token positions) while one is set."""
+
+    table: Optional[torch.Tensor] = None
+
+    def forward(self, max_seq_len: int, *args, **kwargs):
+        if self.table is not None:
+            return self.table
+        return super().forward(max_seq_len, *args, **kwargs)
+
+
+class PositionedMLASelfAttention(MLASelfAttention):
+    """MLASelfAttention whose RoPE follows a given [s, b, 1, d] table (see the module docstring)."""
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        upstream, ours = self.rotary_pos_emb, mla_rotary(config)
+        if (type(upstream) is not RotaryEmbedding or config.rope_type != "rope"
+                or not torch.equal(upstream.inv_freq.cpu(), ours.inv_freq.cpu())):
+            raise RuntimeError(
+                "models/mla.py: MLASelfAttention's RoPE is no longer the RotaryEmbedding that models.mla.mla_rotary "
+                f"builds (got {type(upstream).__name__}, rope_type={config.rope_type}); PositionedMLASelfAttention "
+                "was written for megatron-core 0.19.2: re-check it against the new upstream")
+        self.rotary_pos_emb = _GivenTableRotary(config.qk_pos_emb_head_dim, rotary_percent=config.rotary_percent,
+                                                rotary_base=config.rotary_base, cp_group=self.pg_collection.cp)
+
+    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        if rotary_pos_emb is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        self.rotary_pos_emb.table = rotary_pos_emb
+        try:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        finally:
+            self.rotary_pos_emb.table = None
+
+
 def mla_self_attention(local_attention: ModuleSpec) -> ModuleSpec:
-    """The local spec's MLA self-attention with our core attention and latent norms."""
-    return dataclasses.replace(local_attention, submodules=dataclasses.replace(
+    """The local spec's MLA self-attention with our core attention and latent norms, taking
+    RoPE at per-token positions when given (PositionedMLASelfAttention)."""
+    if local_attention.module is not MLASelfAttention:
+        raise RuntimeError(f"models/mla.py: the local spec's MLA attention is {local_attention.module.__name__}, "
+                           "not MLASelfAttention (megatron-core 0.19.2); re-check PositionedMLASelfAttention")
+    return dataclasses.replace(local_attention, module=PositionedMLASelfAttention, submodules=dataclasses.replace(
         local_attention.submodules, core_attention=MLACoreAttention,
         q_layernorm=LatentNorm, kv_layernorm=LatentNorm,
     ))

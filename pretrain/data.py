@@ -83,13 +83,17 @@ def _sample_indices(consumed: int, total: int, micro_batch: int, dp_size: int, d
 def _collate(samples: list[dict], eod: Optional[int]) -> dict:
     """Stack the samples; with `eod` (reset_attention_mask), add each token's document
     index [b, s] int32: the model builds the attention it needs from it (data_pipeline's
-    `document_ids`: O(s) per sample, where Megatron's dense mask is O(s^2))."""
+    `document_ids`: O(s) per sample, where Megatron's dense mask is O(s^2)); and each label's
+    (`label_document_ids`, the document of token i+1), which multi-token prediction needs."""
     from data_pipeline.datasets import document_ids
 
     keys = ("tokens", "labels", "loss_mask", "position_ids")
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
     if eod is not None:
         batch["document_ids"] = document_ids(batch["tokens"], eod)
+        # The document of each label (token i+1): MTP's cross-document predictions are dropped with it
+        # (models.documents.mtp_document_loss_mask).
+        batch["label_document_ids"] = batch["document_ids"] + (batch["tokens"] == eod).to(torch.int32)
     return batch
 
 

@@ -58,6 +58,7 @@ def _forward_step(data_iterator, model):
         labels, loss_mask = batch["labels"], batch["loss_mask"]
         if "document_ids" in batch:  # models.documents.DocumentGPTModel builds the mask
             extra["document_ids"] = batch["document_ids"]
+            extra["label_document_ids"] = batch["label_document_ids"]
     output = model(tokens, position_ids, None, labels=labels, **extra)
     return output, partial(_loss_func, loss_mask)
 

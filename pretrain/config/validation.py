@@ -198,10 +198,15 @@ def _check_mtp(config: ExperimentConfig) -> None:
     if not model.mtp_num_layers:
         return
     if data.reset_attention_mask or data.reset_position_ids:
-        # MTP shifts the sequence by one token per layer across document boundaries on the
-        # mask path; only THD packed sequences (te) shift per document, and that is untested.
-        raise ConfigError("model.mtp_num_layers with document masking (data.reset_attention_mask / "
-                          "reset_position_ids) is not supported; set both false, or model.mtp_num_layers=0")
+        # MTP shifts the sequence by one token per layer across document boundaries; the portable
+        # spec drops the predictions that cross one (models.documents.mtp_document_loss_mask) from
+        # the document ids, which reset_attention_mask brings, and can express that for one layer
+        # only (Megatron-Core rolls one loss mask per depth). The te spec: check_document_masking.
+        if not data.reset_attention_mask or model.mtp_num_layers != 1:
+            raise ConfigError(
+                f"model.mtp_num_layers={model.mtp_num_layers} with document masking needs model.mtp_num_layers=1 "
+                "and data.reset_attention_mask=true (got reset_attention_mask="
+                f"{str(data.reset_attention_mask).lower()}); or set model.mtp_num_layers=0")
     if layout.context_parallel > 1:
         raise ConfigError(f"model.mtp_num_layers at context_parallel={layout.context_parallel} is not supported here "
                           "(untested); MTP runs with TP/SP, PP/VPP, EP and DP: set parallel.context_parallel=1")
@@ -226,6 +231,9 @@ def check_document_masking(config: ExperimentConfig, spec: str) -> None:
             f"document masking with the te spec at CP={layout.context_parallel} is not supported (TE's THD "
             "context parallelism needs documents padded to a multiple of 2 x CP); use CP=1 with the te "
             "spec, or runtime.spec=portable, whose context parallelism masks documents")
+    if config.model.mtp_num_layers:
+        raise ConfigError("model.mtp_num_layers with document masking on the te spec is untested here (its THD "
+                          "path shifts MTP per document); use runtime.spec=portable, or model.mtp_num_layers=0")
     if layout.pipeline_parallel > 1 and config.schedule.micro_batch_size > 1:
         raise ConfigError(
             f"document masking with the te spec at PP={layout.pipeline_parallel} needs "
@@ -260,12 +268,6 @@ def _check_portable_mla(config: ExperimentConfig) -> None:
     if config.parallel.context_parallel > 1:
         raise ConfigError(f"multi_latent_attention at context_parallel={config.parallel.context_parallel} needs the "
                           "Transformer Engine spec (runtime.spec=te on a GPU); the portable spec's MLA runs at CP 1")
-    if config.data.reset_position_ids:
-        # Megatron-Core's MLASelfAttention builds RoPE for 0..s-1 inside each layer and takes no
-        # position ids; DocumentGPTModel's restart of positions reaches only GPTModel's table.
-        raise ConfigError("data.reset_position_ids=true with multi_latent_attention needs the Transformer Engine "
-                          "spec (packed sequences restart MLA's RoPE); on the portable spec set it false "
-                          "(data.reset_attention_mask alone works)")
 
 
 def validate_for_machine(config: ExperimentConfig, facts: Optional[precision.MachineFacts] = None) -> str:
