@@ -104,7 +104,9 @@ def test_mla_packed_documents_give_each_documents_logits():
     assert result["shape"] == [sum(LENGTHS), 4096], result
     assert result["packed"] <= 1e-5, result
     assert result["gapped"] <= 1e-5, result
-    assert result["gaps_ignored"] > 1e-2, result  # the gapped check can fail
+    # The gapped check can fail: a model that ignores the positions misses by 100x its tolerance
+    # or more (3.8e-3 with tiny-deepseek's routing of this stop, 5.6e-2 with the earlier one).
+    assert result["gaps_ignored"] > 100 * 1e-5, result
 
 
 def _mtp_call(model, tokens, position_ids, labels, **kwargs):
