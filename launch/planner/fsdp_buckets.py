@@ -223,8 +223,10 @@ def fsdp_buckets(c: Candidate, stage: int = 0) -> tuple[Bucket, ...]:
 _CACHE: dict[tuple, tuple[ModelConfig, tuple[Bucket, ...]]] = {}
 
 
-def _shard(c: Candidate, bucket: Bucket) -> int:
-    return c.expert_zero_shard if bucket.expert else c.dense_zero_shard
+def _shards(c: Candidate) -> tuple[int, int]:
+    """(dense, expert) shard group sizes, asked once per call: each question copies the layout
+    (Candidate.sharded_layout), and a DeepSeek-size stage has hundreds of buckets."""
+    return c.dense_zero_shard, c.expert_zero_shard
 
 
 def fsdp_held_elements(c: Candidate, stage: int = 0, slices: tuple[int, int] = (0, 0)) -> HeldElements:
@@ -232,8 +234,9 @@ def fsdp_held_elements(c: Candidate, stage: int = 0, slices: tuple[int, int] = (
     parameter elements in that slice (real). `slices`: the rank's index in its dense and its
     expert shard group; (0, 0), the fullest rank, unless asked."""
     full = shard = real = 0.0
+    shards = _shards(c)
     for b in fsdp_buckets(c, stage):
-        ranks = _shard(c, b)
+        ranks = shards[b.expert]
         size = b.padded(ranks) / ranks
         index = slices[1] if b.expert else slices[0]
         full += b.padded(ranks)
@@ -257,7 +260,8 @@ def sharding_buffer_bytes(c: Candidate, stage: int = 0) -> float:
     its end, e R + 4 min(all buckets, Q + R + U) (units released, gradients queued).
     On tiny models (everything below Q) this is exactly what a CPU run allocates."""
     buckets = fsdp_buckets(c, stage)
-    padded = [b.padded(_shard(c, b)) for b in buckets]
+    shards = _shards(c)
+    padded = [b.padded(shards[b.expert]) for b in buckets]
     total = sum(padded)
     if c.zero == 2:
         return 4.0 * min(total, COMM_UNIT_ELEMENTS + sum(sorted(padded, reverse=True)[:2]))
