@@ -100,7 +100,8 @@ def _attention(m: ModelConfig, tp: int, te: bool) -> list[Param]:
     h, d = m.hidden_size, m.head_dim
     qkv = (m.num_attention_heads + 2 * m.query_groups) * d
     nd = m.num_attention_heads * d
-    return _linear(m, qkv // tp, h, m.add_qkv_bias) + [(h * nd // tp, nd // tp)] + ([(h, 1)] if m.add_bias_linear else [])
+    projection = [(h * nd // tp, nd // tp)] + ([(h, 1)] if m.add_bias_linear else [])
+    return _linear(m, qkv // tp, h, m.add_qkv_bias) + projection
 
 
 def layer_parameters(m: ModelConfig, tp: int, ep: int, etp: int, moe: bool | None = None,
