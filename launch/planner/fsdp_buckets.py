@@ -26,19 +26,25 @@ rank 0, the fullest.
 Parameter shapes are those Megatron-Core builds (the counts match `models.flops`, which
 tests/launch/test_memory.py checks): QKV [(n + 2g) d / t, h], projection [h, n d / t],
 fc1 [f (2 if gated) / t, h], fc2 [h, f / t], experts the same with f_e / ETP (one fc1/fc2
-per local expert), embedding and output [V / t, h], router [E, h], norms and biases 1-D.
+per local expert), embedding and output [V / t, h], router [E, h], norms and biases 1-D;
+multi-latent attention's weights per spec (launch.planner.layers.mla_weights). Each layer is
+listed as its kind (a dense layer among MoE layers has its MLP, no router or experts), the
+stage's own layers (launch.planner.layers.stage_layer_kinds), and the last stage adds the
+multi-token prediction layers: each one's transformer layer a unit under ZeRO-3, its norms
+and eh_proj in the non-unit group. tests/launch/test_memory_measured.py checks tiny-deepseek
+(MLA, dense + MoE layers, shared expert, MTP) at ZeRO-2 and ZeRO-3 to the byte.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Optional
 
 from launch.planner.candidate import Candidate
+from launch.planner.layers import mla_weights, stage_layer_kinds
 from models.config import ModelConfig
-from models.flops import norm_params, qk_norm_params
+from models.flops import mtp_layer_is_moe, norm_params, qk_norm_params
 
 # megatron_fsdp.py (MegatronFSDP.__init__): suggested_communication_unit_size =
 # max(1_000_000_000, ...) elements unless the DDP config sets it (ours does not): the
@@ -86,17 +92,29 @@ def _mlp(m: ModelConfig, ffn: int, tp: int) -> list[Param]:
     return fc1 + fc2
 
 
-def layer_parameters(m: ModelConfig, tp: int, ep: int, etp: int) -> tuple[list[Param], list[Param]]:
-    """One transformer layer on one rank: (dense, expert) parameters."""
+def _attention(m: ModelConfig, tp: int, te: bool) -> list[Param]:
+    """GQA's QKV (+ bias) and output projection (+ bias), or MLA's weights
+    (launch.planner.layers.mla_weights: which are split over TP depends on the spec)."""
+    if m.multi_latent_attention:
+        return [(w.numel, w.local_shape[1]) for w in mla_weights(m, tp, te)]
     h, d = m.hidden_size, m.head_dim
     qkv = (m.num_attention_heads + 2 * m.query_groups) * d
     nd = m.num_attention_heads * d
-    dense = _norm(m) + _linear(m, qkv // tp, h, m.add_qkv_bias)
-    dense += [(h * nd // tp, nd // tp)] + ([(h, 1)] if m.add_bias_linear else [])
-    dense += _norm(m)
+    projection = [(h * nd // tp, nd // tp)] + ([(h, 1)] if m.add_bias_linear else [])
+    return _linear(m, qkv // tp, h, m.add_qkv_bias) + projection
+
+
+def layer_parameters(m: ModelConfig, tp: int, ep: int, etp: int, moe: bool | None = None,
+                     te: bool = True) -> tuple[list[Param], list[Param]]:
+    """One transformer layer on one rank: (dense, expert) parameters. `moe`: the kind of layer
+    (moe_layer_freq leaves some of a MoE model dense; None = MoE for a MoE model); `te`: the
+    spec (MLA's down projections are whole on every TP rank on te, split on portable)."""
+    h = m.hidden_size
+    moe = m.is_moe if moe is None else moe
+    dense = _norm(m) + _attention(m, tp, te) + _norm(m)
     dense += [(m.head_dim, 1)] * (qk_norm_params(m) // m.head_dim)  # q/k norms, replicated over TP
     expert: list[Param] = []
-    if m.is_moe:
+    if moe:
         dense += [(m.num_experts * h, h)]  # router
         if m.moe_shared_expert_hidden_size:
             dense += _mlp(m, m.moe_shared_expert_hidden_size, tp)
@@ -105,6 +123,14 @@ def layer_parameters(m: ModelConfig, tp: int, ep: int, etp: int) -> tuple[list[P
     else:
         dense += _mlp(m, m.ffn_hidden_size, tp)
     return dense, expert
+
+
+def mtp_parameters(m: ModelConfig, tp: int) -> tuple[list[Param], list[Param]]:
+    """One multi-token prediction layer's own parameters around its transformer layer (shaped
+    like the decoder's last; an FSDP unit of its own): (before it: enorm, hnorm, eh_proj
+    [h / t, 2h], column-parallel; after it: final_layernorm)."""
+    h = m.hidden_size
+    return _norm(m) * 2 + [(h * 2 * h // tp, 2 * h)], _norm(m)
 
 
 def embedding_parameters(m: ModelConfig, tp: int) -> list[Param]:
@@ -149,34 +175,59 @@ def _split(params: list[Param], bucket_size: Optional[int], expert: bool) -> lis
     return [Bucket(sum(n for n, _ in b), chunk_size_factor(b), expert) for b in buckets]
 
 
-@functools.lru_cache(maxsize=4096)
 def _buckets(m: ModelConfig, zero: int, tp: int, pp: int, ep: int, etp: int, first: bool, last: bool,
-             bucket_size: Optional[int]) -> tuple[Bucket, ...]:
-    dense, expert = layer_parameters(m, tp, ep, etp)
-    layers = m.num_layers // pp
-    root = (embedding_parameters(m, tp) if first else []) + (output_parameters(m, tp, pp) if last else [])
-    if zero == 3:  # one unit per layer, the rest in non-unit groups
-        units = [Bucket(sum(n for n, _ in dense), chunk_size_factor(dense), False, unit=True)]
-        if expert:
-            units.append(Bucket(sum(n for n, _ in expert), chunk_size_factor(expert), True, unit=True))
-        out = units * layers + (_split(root, bucket_size, False) if root else [])
-        return tuple(out)
-    # ZeRO-2: no units; parameters in module order (embedding, layers, final norm, output).
-    all_dense = (embedding_parameters(m, tp) if first else []) + dense * layers
-    all_dense += output_parameters(m, tp, pp) if last else []
+             bucket_size: Optional[int], kinds: tuple[tuple[int, bool | None], ...], te: bool) -> tuple[Bucket, ...]:
+    """`kinds`: (layers, moe) of the stage (launch.planner.layers.stage_layer_kinds). The last
+    stage also holds the MTP layers (model.mtp_num_layers), between the final norm and the
+    output layer, with their own copy of the word embedding at PP > 1."""
+    # (count, (dense, expert)) per kind of layer: every layer of a kind has the same parameters.
+    layers = [(count, layer_parameters(m, tp, ep, etp, moe, te)) for count, moe in kinds]
+    mtp = (m.mtp_num_layers if last else 0, layer_parameters(m, tp, ep, etp, mtp_layer_is_moe(m), te))
+    before, after = mtp_parameters(m, tp)
+    head = embedding_parameters(m, tp) if first or (mtp[0] and pp > 1) else []
+    tail = output_parameters(m, tp, pp) if last else []
+    norm, output = tail[:len(_norm(m))], tail[len(_norm(m)):]  # output: [] when tied at PP 1
+    if zero == 3:  # one unit per layer (MTP's transformer layers too), the rest in non-unit groups
+        units = []
+        for count, (dense, expert) in layers + [mtp]:
+            units += [Bucket(sum(n for n, _ in part), chunk_size_factor(part), is_expert, unit=True)
+                      for part, is_expert in ((dense, False), (expert, True)) if part] * count
+        root = head + norm + (before + after) * mtp[0] + output
+        return tuple(units + (_split(root, bucket_size, False) if root else []))
+    # ZeRO-2: no units; parameters in module order (embedding, layers, final norm, MTP, output).
+    all_dense = head + [p for count, (dense, _) in layers for p in dense * count]
+    all_dense += norm + (before + mtp[1][0] + after) * mtp[0] + output
     out = _split(all_dense, bucket_size, False)
+    expert = [p for count, (_, e) in layers + [mtp] for p in e * count]
     if expert:
-        out += _split(expert * layers, bucket_size, True)
+        out += _split(expert, bucket_size, True)
     return tuple(out)
 
 
 def fsdp_buckets(c: Candidate, stage: int = 0) -> tuple[Bucket, ...]:
-    """The buckets Megatron-FSDP builds on pipeline rank `stage` of `c` (ZeRO-2/3)."""
-    return _buckets(c.model, c.zero, c.tp, c.pp, c.ep, c.etp, stage == 0, stage == c.pp - 1, c.bucket_size)
+    """The buckets Megatron-FSDP builds on pipeline rank `stage` of `c` (ZeRO-2/3): the stage's
+    own layers, each of its kind (dense or MoE, MLA's weights on the candidate's spec)."""
+    args = (c.zero, c.tp, c.pp, c.ep, c.etp, stage == 0, stage == c.pp - 1, c.bucket_size,
+            tuple(stage_layer_kinds(c, stage)), c.flash_attention)
+    # Cached by the model's identity: a ModelConfig with moe_layer_freq (a list) is not hashable
+    # (it is frozen, so its fields cannot change). The entry keeps the model alive, so its id
+    # cannot be reused by another one.
+    key = (id(c.model),) + args
+    cached = _CACHE.get(key)
+    if cached is None or cached[0] is not c.model:
+        if len(_CACHE) >= 4096:
+            _CACHE.clear()
+        cached = _CACHE[key] = (c.model, _buckets(c.model, *args))
+    return cached[1]
 
 
-def _shard(c: Candidate, bucket: Bucket) -> int:
-    return c.expert_zero_shard if bucket.expert else c.dense_zero_shard
+_CACHE: dict[tuple, tuple[ModelConfig, tuple[Bucket, ...]]] = {}
+
+
+def _shards(c: Candidate) -> tuple[int, int]:
+    """(dense, expert) shard group sizes, asked once per call: each question copies the layout
+    (Candidate.sharded_layout), and a DeepSeek-size stage has hundreds of buckets."""
+    return c.dense_zero_shard, c.expert_zero_shard
 
 
 def fsdp_held_elements(c: Candidate, stage: int = 0, slices: tuple[int, int] = (0, 0)) -> HeldElements:
@@ -184,8 +235,9 @@ def fsdp_held_elements(c: Candidate, stage: int = 0, slices: tuple[int, int] = (
     parameter elements in that slice (real). `slices`: the rank's index in its dense and its
     expert shard group; (0, 0), the fullest rank, unless asked."""
     full = shard = real = 0.0
+    shards = _shards(c)
     for b in fsdp_buckets(c, stage):
-        ranks = _shard(c, b)
+        ranks = shards[b.expert]
         size = b.padded(ranks) / ranks
         index = slices[1] if b.expert else slices[0]
         full += b.padded(ranks)
@@ -209,7 +261,8 @@ def sharding_buffer_bytes(c: Candidate, stage: int = 0) -> float:
     its end, e R + 4 min(all buckets, Q + R + U) (units released, gradients queued).
     On tiny models (everything below Q) this is exactly what a CPU run allocates."""
     buckets = fsdp_buckets(c, stage)
-    padded = [b.padded(_shard(c, b)) for b in buckets]
+    shards = _shards(c)
+    padded = [b.padded(shards[b.expert]) for b in buckets]
     total = sum(padded)
     if c.zero == 2:
         return 4.0 * min(total, COMM_UNIT_ELEMENTS + sum(sorted(padded, reverse=True)[:2]))

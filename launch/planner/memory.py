@@ -26,10 +26,10 @@ from launch.planner.candidate import Candidate
 from launch.planner import muon as _muon
 from launch.planner.fsdp_buckets import fsdp_held_elements
 from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
+from launch.planner.layers import mixed_layers, moe_layers_on_stage, stage_layer_kinds  # noqa: F401 (re-exported)
 from models.config import ModelConfig
 from models.flops import (embedding_params, layer_params, mlp_params, mtp_layer_is_moe, norm_params, output_params,
                           qk_norm_params)
-from models.layout import pipeline_split
 
 GIB = 2**30
 # The gradient buffer's element size is Candidate.grad_bytes: pretrain/wrap.py builds DDP with
@@ -92,38 +92,6 @@ def dense_layer_params_on_rank(m: ModelConfig, tp: int, moe: bool | None = None,
     replicated = tp_replicated_layer_params(m, moe, te)
     experts = expert_layer_params(m) if moe else 0
     return replicated + (layer_params(m, moe) - experts - replicated) // tp
-
-
-def moe_layers_on_stage(c: Candidate, stage: int) -> int:
-    """MoE layers on pipeline rank `stage` (moe_layer_freq's pattern read over the layers its
-    chunks hold: chunk v of rank r follows every chunk of an earlier virtual stage and rank r'
-    < r's chunk v, Megatron-Core's get_transformer_layer_offset); 0 for a dense model."""
-    pattern = c.model.moe_layer_pattern
-    if not pattern:
-        return 0
-    split = pipeline_split(c.model.num_layers, c.layout)
-    count = offset = 0
-    for v in range(c.vpp):
-        for rank in range(c.pp):
-            if rank == stage:
-                count += sum(pattern[offset:offset + split[rank][v]])
-            offset += split[rank][v]
-    return count
-
-
-def stage_layer_kinds(c: Candidate, stage: int) -> list[tuple[int, bool | None]]:
-    """(layers, moe) per kind of layer on `stage`: [(L_stage, None)] for a dense or an all-MoE
-    model (moe=None: the model's one kind), else the dense and the MoE layers' counts."""
-    layers = c.layers_on_stage(stage)
-    if not mixed_layers(c.model):
-        return [(layers, None)]
-    moe = moe_layers_on_stage(c, stage)
-    return [(layers - moe, False), (moe, True)]
-
-
-def mixed_layers(m: ModelConfig) -> bool:
-    """A MoE model with dense layers among its MoE layers (moe_layer_freq)."""
-    return m.is_moe and 0 in m.moe_layer_pattern
 
 
 def expert_layer_params_on_rank(m: ModelConfig, ep: int, etp: int) -> int:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 
 from launch.planner.candidate import Candidate
+from launch.planner.layers import mla_weights, stage_layer_kinds
+from models.flops import mtp_layer_is_moe
 
 MUON_STATE_BYTES = 4  # momentum_buffer, fp32
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
@@ -91,17 +93,31 @@ def _qkv(c: Candidate) -> Param:
     return dataclasses.replace(fused, blocks=blocks) if c.muon is not None and c.muon.split_qkv else fused
 
 
-def layer_params_list(c: Candidate) -> list[Param]:
-    """One transformer layer's parameters on a rank."""
+def _attention(c: Candidate) -> list[Param]:
+    """GQA's fused QKV and output projection (+ biases), or multi-latent attention's weights
+    (launch.planner.layers.mla_weights: its down projections split over TP on the portable spec,
+    whole on te; the latent norms on AdamW)."""
     m, t = c.model, c.tp
+    if m.multi_latent_attention:
+        return [_matrix(w.rows, w.cols, w.partition_dim, w.split) if w.matrix else Param(w.numel, False)
+                for w in mla_weights(m, t, c.flash_attention)]
     h, nd = m.hidden_size, m.num_attention_heads * m.head_dim
-    params = _norm(c, h) * 2 + (_norm(c, m.head_dim) * 2 if m.qk_layernorm else [])
-    params += [_qkv(c), _matrix(h, nd, 1, t)]
+    params = [_qkv(c), _matrix(h, nd, 1, t)]
     if m.add_qkv_bias:
         params.append(Param((nd + 2 * m.query_groups * m.head_dim) // t, False))
     if m.add_bias_linear:
         params.append(Param(h, False))
-    if m.is_moe:
+    return params
+
+
+def layer_params_list(c: Candidate, moe: bool | None = None) -> list[Param]:
+    """One transformer layer's parameters on a rank. `moe`: the kind of layer (moe_layer_freq
+    leaves some of a MoE model's layers dense); None = MoE for a MoE model."""
+    m, t = c.model, c.tp
+    h = m.hidden_size
+    moe = m.is_moe if moe is None else moe
+    params = _norm(c, h) * 2 + (_norm(c, m.head_dim) * 2 if m.qk_layernorm else []) + _attention(c)
+    if moe:
         params.append(Param(m.num_experts * h, False))  # router: AdamW (pretrain/muon.py)
         for _ in range(m.num_experts // c.ep):
             params += _mlp(c, m.expert_ffn_hidden_size, c.etp, expert=True)
@@ -112,11 +128,24 @@ def layer_params_list(c: Candidate) -> list[Param]:
     return params
 
 
-def params_list(c: Candidate, stage: int) -> list[Param]:
-    """Every parameter on pipeline rank `stage` (all its virtual chunks): its layers, the
-    embedding on stage 0, the final norm and output layer on the last (AdamW all)."""
+def mtp_params_list(c: Candidate) -> list[Param]:
+    """The multi-token prediction layers on the last stage (launch.planner.memory.mtp_params_on_rank):
+    per layer enorm, hnorm, eh_proj [h, 2h] (column-parallel: a Muon matrix), a transformer layer
+    like the decoder's last, final_layernorm; at PP > 1 the stage's own copy of the word embedding."""
     m = c.model
-    params = layer_params_list(c) * c.layers_on_stage(stage)
+    h = m.hidden_size
+    per_layer = (_norm(c, h) * 2 + [_matrix(h, 2 * h, 0, c.tp)] + layer_params_list(c, mtp_layer_is_moe(m))
+                 + _norm(c, h))
+    copy = [Param(m.padded_vocab_size * h // c.tp, False)] if c.pp > 1 else []
+    return per_layer * m.mtp_num_layers + copy
+
+
+def params_list(c: Candidate, stage: int) -> list[Param]:
+    """Every parameter on pipeline rank `stage` (all its virtual chunks): its layers, each of its
+    kind (launch.planner.layers.stage_layer_kinds), the embedding on stage 0, the final norm,
+    the MTP layers and the output layer on the last (embedding, norms, output: AdamW)."""
+    m = c.model
+    params = [p for layers, moe in stage_layer_kinds(c, stage) for p in layer_params_list(c, moe) * layers]
     words = m.padded_vocab_size * m.hidden_size // c.tp
     if stage == 0:
         params.append(Param(words, False))
@@ -124,6 +153,8 @@ def params_list(c: Candidate, stage: int) -> list[Param]:
             params.append(Param(m.max_seq_length * m.hidden_size, False))
     if stage == c.pp - 1:
         params += _norm(c, m.hidden_size)
+        if m.mtp_num_layers:
+            params += mtp_params_list(c)
         if not m.tie_embeddings or c.pp > 1:
             params.append(Param(words, False))
     return params

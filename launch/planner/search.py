@@ -196,7 +196,6 @@ def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, s
                  memory_options: MemoryOptions, throughput_options: ThroughputOptions) -> Plan:
     """Every valid layout evaluated and sorted; `ranked` may be empty (see `plan`)."""
     check_world(world_size, device)
-    space = _space_without_unmodelled_parts(config, space)
     candidates, invalid = enumerate_candidates(config, world_size, device, space)
     if not candidates:
         raise PlanError(
@@ -210,31 +209,6 @@ def rank_layouts(config: ExperimentConfig, *, world_size: int, device: Device, s
     dropped = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
     return Plan(config=config, world_size=world_size, device=device, ranked=ranked, dropped=dropped,
                 invalid=invalid)
-
-
-def _space_without_unmodelled_parts(config: ExperimentConfig, space: SearchSpace) -> SearchSpace:
-    """`space` for a DeepSeek-style model: ZeRO-2/3 dropped from the search for multi-latent
-    attention, dense layers among MoE layers (moe_layer_freq) or MTP layers: Megatron-FSDP's
-    bucket model (launch.planner.fsdp_buckets) lists GQA layers of one kind, so it would price
-    such a model's buffers wrong. PlanError when only those stages were asked for, or for
-    Muon / Lion (launch.planner.muon: the same)."""
-    model = config.model
-    mixed = model.is_moe and 0 in model.moe_layer_pattern
-    if not (model.multi_latent_attention or mixed or model.mtp_num_layers):
-        return space
-    what = ("multi-latent attention, dense layers among MoE layers or multi-token prediction layers "
-            "(model.mtp_num_layers)")
-    if config.optimizer.name in ("muon", "lion"):
-        # launch.planner.muon lists a GQA layer's parameters for every layer.
-        raise PlanError(f"the planner does not model optimizer.name={config.optimizer.name} for {what}, which "
-                        f"{config.name} uses; plan it with optimizer.name=adamw")
-    if not any(z >= 2 for z in space.zero):
-        return space
-    kept = tuple(z for z in space.zero if z < 2)
-    if not kept:
-        raise PlanError(f"the planner does not model ZeRO-2/3 (Megatron-FSDP buckets) for {what}, which "
-                        f"{config.name} uses; plan with --zero 0 1")
-    return dataclasses.replace(space, zero=kept)
 
 
 def plan(config: ExperimentConfig, *, world_size: int, device: Device, space: SearchSpace = SearchSpace(),

@@ -4,8 +4,8 @@ Static memory (params, fp32 grad buffer, fp32 main params, Adam moments) must eq
 bytes allocated through `pretrain.wrap.wrap_for_training` within 1% for every layout of
 the matrix: TP, PP, VPP, DP, EP, distributed optimizer on/off, ZeRO-2/3 and HSDP
 (Megatron-FSDP's padded buffers), fp32 and bf16, tied embeddings, biases, MoE, DeepSeek-style
-MLA with a dense layer among MoE layers and a shared expert (tiny-deepseek), multi-token
-prediction layers (model.mtp_num_layers); and for
+MLA with a dense layer among MoE layers and a shared expert (tiny-deepseek, also under ZeRO-2/3),
+multi-token prediction layers (model.mtp_num_layers); and for
 optimizer.name=muon (Muon's momentum + AdamW's moments, unsharded and under Megatron-Core's
 layer-wise distributed optimizer at DP2: launch.planner.muon) and optimizer.name=lion (one
 momentum per element, the same wrapping).
@@ -58,6 +58,10 @@ STATIC = {  # world size -> (flavor, overrides)
         # the last stage, with that stage's own copy of the word embedding at PP > 1.
         ("tiny-deepseek", ["model.mtp_num_layers=1", "parallel.pipeline_parallel=2", BF16]),
         ("tiny-llama", ["model.mtp_num_layers=1", TP2, FP32]),  # a dense MTP layer, projection split over TP
+        # Megatron-FSDP's buckets of tiny-deepseek: a dense and three MoE units of MLA layers.
+        ("tiny-deepseek", [ZERO3, BF16]),
+        ("tiny-deepseek", [ZERO2, BF16]),
+        ("tiny-deepseek", [ZERO3, "model.mtp_num_layers=1", BF16]),  # MTP's layer a unit, its norms/eh_proj not
     ],
     4: [
         ("tiny-llama", [TP2, BF16]),  # TP2 x DP2
@@ -68,6 +72,8 @@ STATIC = {  # world size -> (flavor, overrides)
         ("tiny-moe", [ZERO3, "parallel.expert_parallel=2", BF16]),  # experts sharded over expert-DP
         ("tiny-qwen3-moe", [TP2, SP, "parallel.expert_parallel=2", BF16]),  # TP2 x DP2, experts EP2 x expert-TP2
         ("tiny-deepseek", [TP2, SP, "parallel.expert_parallel=2", BF16]),  # MLA at TP2, experts EP2 x expert-TP2
+        ("tiny-deepseek", [ZERO3, "parallel.expert_parallel=2", BF16]),  # experts sharded over expert-DP 2
+        ("tiny-deepseek", [ZERO3, TP2, SP, BF16]),  # MLA's down projections split (portable) in the units
     ],
 }
 MUON = "optimizer.name=muon"
@@ -82,6 +88,10 @@ MUON_STATIC = [  # world size 2; needs emerging-optimizers (Megatron-Core's Muon
     ("tiny-llama", [LION, TP2, FP32]),  # DP1: unsharded
     ("tiny-llama", [LION, BF16]),  # DP2: layer-wise optimizer
     ("tiny-moe", [LION, "parallel.expert_parallel=2", BF16]),  # experts dealt over expert-DP
+    # tiny-deepseek: MLA's five matrices on Muon, its latent norms on AdamW, dense and MoE layers.
+    ("tiny-deepseek", [MUON, BF16]),  # DP2: layer-wise optimizer
+    ("tiny-deepseek", [MUON, "model.mtp_num_layers=1", "parallel.pipeline_parallel=2", BF16]),  # MTP + embedding copy
+    ("tiny-deepseek", [LION, BF16]),
 ]
 ACT_COMMON = ["schedule.seq_length=256", "schedule.micro_batch_size=2", "schedule.global_batch_size=4", FP32]
 ACTIVATIONS = [  # tiny-gpt at world size 2 (DP2 has the activations of one rank alone)

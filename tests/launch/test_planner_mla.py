@@ -2,14 +2,20 @@
 layers (moe_layer_freq), shared experts. The static terms are checked against Megatron-Core's
 allocations in test_memory_measured.py (tiny-deepseek, TP2 / PP2 / EP2); here: the per-rank
 counts by hand, their sums against models.flops (the one source of parameter counts and FLOPs),
-and plans that our training's validation accepts."""
+the tensors Megatron-FSDP's bucket model and Muon's model list, and plans that our training's
+validation accepts (ZeRO-2/3, Muon and Lion included)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from launch.planner.candidate import Candidate
+from launch.planner import muon
 from launch.planner.devices import get_device
+from launch.planner.fsdp_buckets import fsdp_buckets, layer_parameters
+from launch.planner.layers import mla_weights
 from launch.planner.memory import (
     dense_layer_params_on_rank,
     edge_stages,
@@ -23,7 +29,7 @@ from launch.planner.memory import (
 from launch.planner.search import PlanError, SearchSpace, plan
 from launch.planner.throughput import ThroughputOptions, stage_compute_s
 from models.config import get_flavor
-from models.flops import mtp_params, total_params, training_flops_per_token
+from models.flops import mla_attention_params, mtp_params, total_params, training_flops_per_token
 from models.layout import ParallelLayout
 from pretrain.config import validate_for_world
 from pretrain.recipes import get_recipe
@@ -103,28 +109,57 @@ def test_mla_activations_by_hand():
 
 def test_deepseek_v3_plan_validates():
     """`launch.plan --recipe deepseek-v3 --gpus 1024` (a narrowed space): a plan, and its top
-    layouts are ones our training accepts."""
+    layouts are ones our training accepts; ZeRO-2/3 (Megatron-FSDP) are searched too."""
     recipe = get_recipe("deepseek-v3")
     space = SearchSpace(micro_batch=(1,), recompute=("selective",), offload=(False,))
     p = plan(recipe, world_size=1024, device=H100, space=space)
-    assert p.ranked and all(e.candidate.zero < 2 for e in p.ranked + p.dropped)
+    assert p.ranked and {e.candidate.zero for e in p.ranked + p.dropped} >= {2, 3}
     for e in p.ranked[:5]:
         validate_for_world(e.candidate.apply_to(recipe), 1024)
         assert e.memory.total <= H100.memory_bytes
 
 
-def test_tiny_deepseek_plan_and_zero3_refusal():
-    recipe = get_recipe("tiny-deepseek")
-    p = plan(recipe, world_size=8, device=H100, space=SearchSpace(micro_batch=(1,), offload=(False,)))
-    for e in p.ranked[:5]:
+def test_tiny_deepseek_plans_zero3_muon_and_lion():
+    """ZeRO-2/3 and Muon / Lion are planned for MLA + dense-first MoE + MTP (their static terms:
+    test_memory_measured.py); every top layout is one our training accepts."""
+    recipe = get_recipe("tiny-deepseek").model_copy(update={"model": TINY.model_copy(update={"mtp_num_layers": 1})})
+    fsdp = plan(recipe, world_size=8, device=H100, space=SearchSpace(zero=(2, 3), micro_batch=(1,), offload=(False,)))
+    assert {e.candidate.zero for e in fsdp.ranked} == {2, 3}
+    for e in fsdp.ranked[:3]:
         validate_for_world(e.candidate.apply_to(recipe), 8)
-    with pytest.raises(PlanError, match="does not model ZeRO-2/3.*--zero 0 1"):
-        plan(recipe, world_size=8, device=H100, space=SearchSpace(zero=(2, 3)))
-    muon = recipe.model_copy(update={"optimizer": recipe.optimizer.model_copy(update={"name": "muon"})})
-    with pytest.raises(PlanError, match="optimizer.name=muon .* plan it with optimizer.name=adamw"):
-        plan(muon, world_size=8, device=H100)
+    for name in ("muon", "lion"):
+        chosen = recipe.model_copy(update={"optimizer": recipe.optimizer.model_copy(update={"name": name})})
+        p = plan(chosen, world_size=8, device=H100, space=SearchSpace(micro_batch=(1,), offload=(False,)))
+        assert p.ranked and all(e.candidate.optimizer_name == name for e in p.ranked)
+        for e in p.ranked[:3]:
+            validate_for_world(e.candidate.apply_to(chosen), 8)
 
 
+@pytest.mark.parametrize("te", [True, False])
+def test_mla_weights_hold_models_flops_counts(te):
+    """launch.planner.layers.mla_weights (the tensors the FSDP and Muon models list) adds up to
+    models.flops' MLA count whole and, on one TP rank, to memory's replicated + split share;
+    its TP-whole tensors are memory.mla_replicated_params."""
+    for model in (TINY, V3, TINY.model_copy(update={"q_lora_rank": None})):
+        weights = mla_weights(model, 2, te)
+        assert sum(w.rows * w.cols for w in weights) == mla_attention_params(model)
+        assert sum(w.numel for w in weights if w.split == 1) == mla_replicated_params(model, te)
+        assert sum(w.numel for w in weights) == mla_replicated_params(model, te) + (
+            mla_attention_params(model) - mla_replicated_params(model, te)) // 2
+
+
+def test_fsdp_buckets_and_muon_list_each_layer_kind():
+    """tiny-deepseek + 1 MTP layer at ZeRO-3: one unit per layer, the dense layer's (its 256-wide
+    MLP, no router) apart from the MoE ones, the MTP layer's like the last (MoE); every listed
+    element adds up to memory.params_on_rank, and Muon's list holds the same elements."""
+    model = TINY.model_copy(update={"mtp_num_layers": 1})
+    for te in (True, False):
+        c = dataclasses.replace(_cand(model, 2, tensor_parallel=2), zero=3, flash_attention=te)
+        units = [b for b in fsdp_buckets(c) if b.unit and not b.expert]
+        dense, moe = (sum(n for n, _ in layer_parameters(model, 2, 1, 2, kind, te)[0]) for kind in (False, True))
+        assert [b.numel for b in units] == [dense, moe, moe, moe, moe]
+        held = params_on_rank(c, 0).total
+        assert sum(b.numel for b in fsdp_buckets(c)) == held == sum(p.numel for p in muon.params_list(c, 0))
 def test_published_deepseek_layout_is_over_by_activations():
     """DeepSeek's PP16 x EP64 (no TP, ZeRO-1) on 2048 80 GB GPUs does not fit our model: stage 1
     keeps 15 microbatches x 4 MoE layers of activations (routed-token copies and MLA's per-head
