@@ -29,7 +29,6 @@ from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_
 from models.config import ModelConfig
 from models.flops import (embedding_params, layer_params, mlp_params, mtp_layer_is_moe, norm_params, output_params,
                           qk_norm_params)
-from models.layout import pipeline_split
 
 GIB = 2**30
 # The gradient buffer's element size is Candidate.grad_bytes: pretrain/wrap.py builds DDP with
@@ -101,7 +100,7 @@ def moe_layers_on_stage(c: Candidate, stage: int) -> int:
     pattern = c.model.moe_layer_pattern
     if not pattern:
         return 0
-    split = pipeline_split(c.model.num_layers, c.layout)
+    split = c.stage_split
     count = offset = 0
     for v in range(c.vpp):
         for rank in range(c.pp):
@@ -622,9 +621,12 @@ def edge_stages(c: Candidate) -> tuple[int, ...]:
     if c.pp == 1:
         return (0,)
     if mixed_layers(c.model):
-        # Dense layers (moe_layer_freq) make the stages that hold them lighter: any stage can
-        # be the fullest.
-        return tuple(range(c.pp))
+        # Dense layers (moe_layer_freq) make the stages that hold them lighter: any stage can be
+        # the fullest. Of the middle stages holding the same layer kinds, the earliest holds as
+        # many parameters, does as much work and keeps the most microbatches in flight, so only
+        # it is evaluated (PP16 of DeepSeek-V3: 3 stages, not 16).
+        kinds = [tuple(stage_layer_kinds(c, s)) for s in range(c.pp)]
+        return tuple(s for s in range(c.pp) if s in (0, c.pp - 1) or kinds[s] not in kinds[1:s])
     if c.layout.uneven_pipeline and c.pp > 2:
         return (0, 1, c.pp - 1)
     return (0, c.pp - 1)
