@@ -6,6 +6,8 @@ test_memory_measured.py (tiny-llama PP2, first stage 1 layer)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launch import plan as plan_mod
@@ -106,3 +108,18 @@ def test_batch_refusal_names_the_batch():
                                         r"try --global-batch 8"):
         plan(apply_overrides(get_recipe("llama3-8b"), overrides=["schedule.global_batch_size=7"]), world_size=8,
              device=H100, space=SearchSpace(tp=(1,), pp=(1,), cp=(1,)))
+
+
+def test_cli_shows_the_split_and_can_leave_uneven_stages_out(capsys):
+    """--json gives each layout's layers per stage; --uneven-stages off searches the even and the
+    embedding/loss splits only, which for 61 layers on 1024 GPUs means PP1."""
+    base = ["--recipe", "deepseek-v3", "--gpus", "1024", "--micro-batch", "1", "--recompute", "selective",
+            "--offload", "off", "--json", "--top", "all", "--show-dropped", "0"]
+    for flag, pps in (("on", {1, 2, 4, 8, 16}), ("off", {1})):
+        assert plan_mod.main(base + ["--uneven-stages", flag]) == 0
+        layouts = [c["layout"] for c in json.loads(capsys.readouterr().out)["candidates"]]
+        assert {lay["pp"] for lay in layouts} <= pps and 1 in {lay["pp"] for lay in layouts}
+        for lay in layouts:
+            assert len(lay["layers_per_stage"]) == lay["pp"] and sum(lay["layers_per_stage"]) == 61
+        if flag == "on":
+            assert [4] + [4] * 14 + [1] in [lay["layers_per_stage"] for lay in layouts]
