@@ -315,13 +315,17 @@ def no_valid_layout_message(config: ExperimentConfig, world: int, space: SearchS
         asked = _pick(space.pp, divisors(world))
         if any(_pipeline_options(layers, asked, space)):
             return f"{head}: no combination of the --tp, --pp, --cp and --ep sizes asked for divides {world}"
-        anywhere = dataclasses.replace(space, pp=None)
-        working = [pp for pp in divisors(world) if any(_pipeline_options(layers, [pp], anywhere))]
+        # What would work: the PP sizes that split it at the VPP asked for, else without --vpp.
+        for hint, anywhere in (("", dataclasses.replace(space, pp=None)),
+                               (" without --vpp", dataclasses.replace(space, pp=None, vpp=None))):
+            working = [pp for pp in divisors(world) if any(_pipeline_options(layers, [pp], anywhere))]
+            if working:
+                break
         vpp = f" x VPP {list(space.vpp)}" if space.vpp else ""
         return (f"{head}: num_layers={layers} splits over none of PP {asked}{vpp}: not evenly, not with the embedding "
                 f"and loss counted ({layers} + 2), and no first/last stage split (each at most {LIGHTER_EDGES} layers "
                 f"lighter than the evenly split middle stages, or any at ceil(L / PP) per middle stage) is valid; "
-                f"PP that split it on {world} GPUs: {working}")
+                f"PP that split it on {world} GPUs{hint}: {working}")
     kinds, examples = Counter(), {}
     for message, count in refusals.items():
         kind = re.sub(r"\d+", "N", message)

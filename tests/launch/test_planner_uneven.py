@@ -123,3 +123,10 @@ def test_cli_shows_the_split_and_can_leave_uneven_stages_out(capsys):
             assert len(lay["layers_per_stage"]) == lay["pp"] and sum(lay["layers_per_stage"]) == 61
         if flag == "on":
             assert [4] + [4] * 14 + [1] in [lay["layers_per_stage"] for lay in layouts]
+
+
+def test_no_split_at_the_vpp_asked_for_says_to_drop_it():
+    """61 layers split over no PP x VPP2 (prime): the refusal says which PP work without --vpp."""
+    with pytest.raises(PlanError, match=r"splits over none of PP .* x VPP \[2\].*PP that split it on 1024 GPUs "
+                                        r"without --vpp: \[1, 2, 4, 8, 16\]"):
+        plan(get_recipe("deepseek-v3"), world_size=1024, device=H100, space=SearchSpace(vpp=(2,)))
