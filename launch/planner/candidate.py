@@ -8,6 +8,7 @@ a plan is about exactly the run that `python -m pretrain` would start.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from models.config import ModelConfig
@@ -109,7 +110,9 @@ class Candidate:
     def _sharding_keys(self) -> dict:
         return {"sharding": SHARDING_LEVELS[self.zero], "hsdp_replicas": self.hsdp_replicas}
 
-    @property
+    # Cached (the candidate is frozen): the memory and time models ask every stage of every
+    # candidate, and rebuilding it each time was most of a 1024-GPU search.
+    @functools.cached_property
     def sharded_layout(self) -> ParallelLayout:
         """The training's layout with this candidate's sharding: it answers the sharding
         questions (FSDP or not, shard group sizes) as the training does."""
@@ -212,10 +215,16 @@ class Candidate:
         layer's slot, so L + 2 layers split evenly (Llama-3.1 405B: 126 + 2 = 128 = PP8 x VPP8 x 2)."""
         return self.layout.account_for_embedding_in_pipeline_split and self.layout.account_for_loss_in_pipeline_split
 
+    @functools.cached_property
+    def stage_split(self) -> list[list[int]]:
+        """Transformer layers of each model chunk, [pp_rank][vp_stage], as the training splits
+        them (models.layout.pipeline_split: even, or uneven by the layout's keys); cached, as
+        `sharded_layout`."""
+        return pipeline_split(self.model.num_layers, self.layout)
+
     def layers_on_stage(self, stage: int) -> int:
-        """Transformer layers on pipeline rank `stage`, all its virtual chunks together, as the
-        training splits them (models.layout.pipeline_split: even, or uneven by the layout's keys)."""
-        return sum(pipeline_split(self.model.num_layers, self.layout)[stage])
+        """Transformer layers on pipeline rank `stage`, all its virtual chunks together."""
+        return sum(self.stage_split[stage])
 
     @property
     def max_stage_layers(self) -> int:

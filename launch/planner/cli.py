@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer CPU offload (fp32 main weights and Adam moments in host memory)")
     for axis in ("tp", "pp", "vpp", "cp", "ep"):
         p.add_argument(f"--{axis}", type=positive_int, nargs="+", help=f"{axis.upper()} sizes to try (default: all valid)")
+    p.add_argument("--uneven-stages", choices=["on", "off"], default="on",
+                   help="also try first/last pipeline stages lighter than the evenly split middle stages "
+                        "(parallel.num_layers_in_first/last_pipeline_stage; launch.planner.search.uneven_splits)")
     p.add_argument("--efficiency", type=fraction, default=None,
                    help="one achievable fraction of peak FLOP/s for all the math (default: per kind of work "
                         "and precision, fitted to measured runs: launch/planner/efficiency.py)")
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     offload = {"on": (True,), "off": (False,), "both": (False, True)}[args.offload]
     space = SearchSpace(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                         micro_batch=tuple(args.micro_batch), recompute=tuple(args.recompute),
-                        zero=tuple(args.zero), hsdp=args.hsdp, offload=offload, document_length=args.document_length)
+                        zero=tuple(args.zero), hsdp=args.hsdp, offload=offload, document_length=args.document_length,
+                        uneven_stages=args.uneven_stages == "on")
     memory_options = MemoryOptions(framework_gib=args.framework_gib, fragmentation=args.fragmentation)
     tput = None
     try:

@@ -18,9 +18,9 @@ precision-aware optimizer keeps bf16 ones and DeepSeek FP8 / BF16 ones; no MTP l
 
 Rank: where the row's estimated step time falls among the layouts the planner's search finds
 fitting at the same GPU count and batch ("-" when the row does not fit: its largest terms are
-shown). The search itself does not try uneven stages (num_layers_in_first/last_pipeline_stage),
-and 61 layers (prime; 63 with the embedding and loss counted) split evenly over no PP that
-divides 1024 or 2048 GPUs, so its own deepseek-v3 plans have PP1.
+shown). 61 layers (prime; 63 with the embedding and loss counted) split evenly over no PP that
+divides 1024 or 2048 GPUs; the search's uneven first / last stages (launch.planner.search.
+uneven_splits) give it PP2 to PP16, both published splits among them.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import dataclasses
 
 from launch.planner.candidate import Candidate
 from models.config import ModelConfig
-from models.layout import pipeline_split
 
 
 def mixed_layers(m: ModelConfig) -> bool:
@@ -28,7 +27,7 @@ def moe_layers_on_stage(c: Candidate, stage: int) -> int:
     pattern = c.model.moe_layer_pattern
     if not pattern:
         return 0
-    split = pipeline_split(c.model.num_layers, c.layout)
+    split = c.stage_split
     count = offset = 0
     for v in range(c.vpp):
         for rank in range(c.pp):

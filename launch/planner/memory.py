@@ -590,9 +590,12 @@ def edge_stages(c: Candidate) -> tuple[int, ...]:
     if c.pp == 1:
         return (0,)
     if mixed_layers(c.model):
-        # Dense layers (moe_layer_freq) make the stages that hold them lighter: any stage can
-        # be the fullest.
-        return tuple(range(c.pp))
+        # Dense layers (moe_layer_freq) make the stages that hold them lighter: any stage can be
+        # the fullest. Of the middle stages holding the same layer kinds, the earliest holds as
+        # many parameters, does as much work and keeps the most microbatches in flight, so only
+        # it is evaluated (PP16 of DeepSeek-V3: 3 stages, not 16).
+        kinds = [tuple(stage_layer_kinds(c, s)) for s in range(c.pp)]
+        return tuple(s for s in range(c.pp) if s in (0, c.pp - 1) or kinds[s] not in kinds[1:s])
     if c.layout.uneven_pipeline and c.pp > 2:
         return (0, 1, c.pp - 1)
     return (0, c.pp - 1)

@@ -143,6 +143,8 @@ def breakdown(e) -> str:
     c, s = e.candidate, e.estimate
     name = (f"TP{c.tp} PP{c.pp} VPP{c.vpp} CP{c.cp} DP{c.dp}"
             + (" +emb/loss-split" if c.layout.account_for_embedding_in_pipeline_split else "")
+            + "".join(f" {edge}{n}" for edge, n in (("first", c.layout.num_layers_in_first_pipeline_stage),
+                                                   ("last", c.layout.num_layers_in_last_pipeline_stage)) if n)
             + f" zero{c.zero} recompute={c.recompute}" + (" offload" if c.offload else "")
             + (f" hsdp{c.hsdp_replicas}" if c.hsdp_replicas > 1 else ""))
     comm = " ".join(f"{k} {v:.2f}" for k, v in s.comm_s.items() if v >= 0.005)

@@ -105,7 +105,10 @@ def _layout_json(e: Evaluation) -> dict:
     c = e.candidate
     return {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "cp": c.cp, "ep": c.ep, "dp": c.dp, "zero": c.zero,
             "hsdp_replicas": c.hsdp_replicas, "offload": c.offload, "micro_batch": c.micro_batch,
-            "recompute": c.recompute, "sequence_parallel": c.layout.sequence_parallel}
+            "recompute": c.recompute, "sequence_parallel": c.layout.sequence_parallel,
+            # The pipeline split as the training builds it: uneven first / last stages or the
+            # embedding and loss counted show here.
+            "layers_per_stage": [c.layers_on_stage(s) for s in range(c.pp)]}
 
 
 def _memory_json(e: Evaluation) -> dict:

@@ -2,7 +2,7 @@
 
 Static memory (params, fp32 grad buffer, fp32 main params, Adam moments) must equal the
 bytes allocated through `pretrain.wrap.wrap_for_training` within 1% for every layout of
-the matrix: TP, PP, VPP, DP, EP, distributed optimizer on/off, ZeRO-2/3 and HSDP
+the matrix: TP, PP (also with uneven first / last stages), VPP, DP, EP, distributed optimizer on/off, ZeRO-2/3 and HSDP
 (Megatron-FSDP's padded buffers), fp32 and bf16, tied embeddings, biases, MoE, DeepSeek-style
 MLA with a dense layer among MoE layers and a shared expert (tiny-deepseek, also under ZeRO-2/3),
 multi-token prediction layers (model.mtp_num_layers); and for
@@ -41,6 +41,9 @@ STATIC = {  # world size -> (flavor, overrides)
     2: [
         ("tiny-llama", [TP2, FP32]),
         ("tiny-llama", ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", BF16, NO_DISTOPT]),
+        # Uneven stages, as the planner's search offers them (launch.planner.search.uneven_splits):
+        # stage 0 holds the embedding and 1 layer, stage 1 the other 3 and the output layer.
+        ("tiny-llama", ["parallel.pipeline_parallel=2", "parallel.num_layers_in_first_pipeline_stage=1", BF16]),
         ("tiny-llama", [BF16]),  # DP2, distributed optimizer shards main params + moments
         ("tiny-gpt", ["parallel.pipeline_parallel=2", BF16]),  # tied embedding copy on the last stage
         ("tiny-gpt", [TP2, BF16, NO_DISTOPT]),  # replicated row-parallel biases

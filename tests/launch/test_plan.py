@@ -169,6 +169,7 @@ def test_cli_json(capsys):
         assert c["n_params"] == 70_553_706_496
         lay = c["layout"]
         assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == 16
+        assert len(lay["layers_per_stage"]) == lay["pp"] and sum(lay["layers_per_stage"]) == 80
     for c in cands[4:]:
         assert c["step_s"] is None and c["memory_gib"]["total"] > H100.memory_gib
         assert c["reason"].startswith(f"needs {c['memory_gib']['total']:.1f} GiB per GPU")
@@ -223,7 +224,7 @@ def test_qwen3_30b_a3b_plan_validates_and_its_recipe_layout_fits():
     for e in p.ranked[:5]:
         validate_for_world(e.candidate.apply_to(recipe), 16)
     own = plan(recipe, world_size=16, device=H100, space=dataclasses.replace(
-        space, tp=(1,), pp=(2,), vpp=(1,), cp=(1,), ep=(8,), zero=(1,)))
+        space, tp=(1,), pp=(2,), vpp=(1,), cp=(1,), ep=(8,), zero=(1,), uneven_stages=False))  # the recipe's even split
     assert [e.candidate.layout.describe(16) for e in own.ranked][:1] == ["TP1xPP2xEP8xDP8"]
     assert own.ranked[0].memory.total <= H100.memory_bytes
 
