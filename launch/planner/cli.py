@@ -22,7 +22,7 @@ import sys
 import json
 from typing import Optional
 
-from data_pipeline.checks import BAD_INPUT, finite_float, fraction, nonnegative_int, positive_int, print_error, writable_dir_problem
+from data_pipeline.checks import BAD_INPUT, finite_float, fraction, positive_int, print_error, writable_dir_problem
 from launch.planner.devices import UnknownDeviceError, get_device
 from launch.planner.memory import MemoryOptions
 from launch.planner.search import PlanError, SearchSpace, no_fit_message, rank_layouts

@@ -27,7 +27,7 @@ from launch.planner.memory import (
     params_on_rank,
     peak_memory,
 )
-from launch.planner.search import PlanError, SearchSpace, plan
+from launch.planner.search import SearchSpace, plan
 from launch.planner.throughput import ThroughputOptions, stage_compute_s
 from models.config import get_flavor
 from models.flops import mla_attention_params, mtp_params, total_params, training_flops_per_token
