@@ -9,12 +9,11 @@ Rows, each estimated at its exact layout on H100 80 GB (H800s have the same 80 G
   our-recipe      pretrain.recipes.deepseek_v3 on 1024 GPUs (the same split, DP64).
   megatron-bridge NVIDIA-NeMo/Megatron-Bridge recipes/deepseek/deepseek_v3.py,
                   deepseek_v3_pretrain_config: TP2 x PP16 x EP64 (expert TP 1) + SP, layers 4 | 14 x 4 | 1
-                  (its pipeline layout; the last stage also holds the MTP layer, not modelled
-                  here), selective recompute, mbs 1, global batch 4096, gradients reduced in
+                  (its pipeline layout; the last stage also holds the MTP layer), selective recompute, mbs 1, global batch 4096, gradients reduced in
                   bf16 (grad_reduce_in_fp32=False), on 1024 GPUs (its minimum at EP64: DP32).
 The global batch is the recipe's (1920) except for Megatron-Bridge's row. The planner's own
 choices differ from these where our training differs (fp32 Adam moments, where Bridge's
-precision-aware optimizer keeps bf16 ones and DeepSeek FP8 / BF16 ones; no MTP layer; no FP8).
+precision-aware optimizer keeps bf16 ones and DeepSeek FP8 / BF16 ones; no FP8).
 
 Rank: where the row's estimated step time falls among the layouts the planner's search finds
 fitting at the same GPU count and batch ("-" when the row does not fit: its largest terms are

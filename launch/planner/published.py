@@ -8,9 +8,9 @@ are reported, not fitted: `calibration_rows`).
     python -m launch.planner.published --rank     # where the planner ranks each `fastest` layout
     python -m launch.planner.published --rank --top 10   # + the 10 fastest, each with its breakdown
 
-Rows are built as `Candidate`s directly, not through the training's validation: the 405B
-layout needs Megatron-Core's embedding/loss pipeline split, which our training does not offer
-yet (issue 47 item 5) but the planner models.
+Rows are built as `Candidate`s directly at the published layouts (the 405B's with
+Megatron-Core's embedding/loss pipeline split, which the training offers too:
+parallel.account_for_embedding/loss_in_pipeline_split).
 """
 
 from __future__ import annotations
