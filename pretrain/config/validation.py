@@ -45,6 +45,13 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
         validate_layout(config.model, config.parallel, world_size)
     except LayoutError as exc:
         raise ConfigError(str(exc)) from None
+    validate_beyond_layout(config, world_size)
+
+
+def validate_beyond_layout(config: ExperimentConfig, world_size: int) -> None:
+    """`validate_for_world`'s checks after the layout's own (`validate_layout`), for a caller
+    that has already validated the layout: the planner, which asks once per layout and not for
+    each of the batch, recompute and offload choices built on it."""
     layout, sched = config.parallel, config.schedule
     dp = layout.data_parallel(world_size)
     per_step = sched.micro_batch_size * dp
