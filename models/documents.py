@@ -65,6 +65,8 @@ def rope_at_positions(rotary: torch.nn.Module, position_ids: Tensor) -> Tensor:
     Llama-3 scaled `inv_freq` included) for 0..max(position), gathered per token; the
     unfused `apply_rotary_pos_emb` broadcasts [s, b, 1, d] over the heads."""
     table = rotary.get_emb(int(position_ids.max()) + 1)  # [P, 1, 1, d]
+    if isinstance(table, tuple):  # YaRN: (angles, cos/sin factor); MLA's own RoPE module applies the factor
+        table = table[0]
     return table[:, 0][position_ids.t().to(table.device)]  # [s, b, 1, d]
 
 

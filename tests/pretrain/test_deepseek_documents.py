@@ -33,13 +33,18 @@ from tests.pretrain.test_document_mask import EOD, LENGTHS, _packed_sample
 pytestmark = [pytest.mark.distributed]
 
 
-def _build(reset_position_ids: bool, mtp_num_layers: int = 0):
+# YaRN at tiny size: frequencies past 16 / beta_slow positions divided by 4, m(0.8) / m(0.6) on cos/sin.
+YARN = dict(yarn_scaling_factor=4.0, yarn_original_max_position_embeddings=16, yarn_beta_fast=8.0, yarn_mscale=0.8,
+            yarn_mscale_all_dim=0.6)
+
+
+def _build(reset_position_ids: bool, mtp_num_layers: int = 0, yarn: bool = False):
     from models.build import build_model_chunks
     from models.config import get_flavor
     from models.layout import ParallelLayout
     from models.runtime import RuntimeOptions
 
-    model_config = get_flavor("tiny-deepseek").model_copy(update=dict(mtp_num_layers=mtp_num_layers))
+    model_config = get_flavor("tiny-deepseek").model_copy(update=dict(mtp_num_layers=mtp_num_layers, **(YARN if yarn else {})))
     (model,) = build_model_chunks(model_config, ParallelLayout(), RuntimeOptions(seed=0, spec="portable"),
                                   reset_position_ids=reset_position_ids)
     return model, model_config
@@ -53,9 +58,9 @@ def _relative(got, want, vocab: int | None = None) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def mla_logits_vs_alone() -> dict:
+def mla_logits_vs_alone(yarn: bool = False) -> dict:
     """Rank function: the packed sample's logits against each document alone; and a document at
-    gapped positions against the long sequence with hidden odd places."""
+    gapped positions against the long sequence with hidden odd places (`yarn`: YaRN RoPE)."""
     import torch
 
     from pretrain.data import _collate
@@ -64,8 +69,8 @@ def mla_logits_vs_alone() -> dict:
 
     init_distributed(ParallelLayout(), seed=0)
     try:
-        model, model_config = _build(reset_position_ids=True)
-        plain, _ = _build(reset_position_ids=False)  # same weights (layout-invariant init)
+        model, model_config = _build(reset_position_ids=True, yarn=yarn)
+        plain, _ = _build(reset_position_ids=False, yarn=yarn)  # same weights (layout-invariant init)
         batch = _collate([_packed_sample(model_config.vocab_size, reset=True)], EOD)
         with torch.no_grad():
             packed = model(batch["tokens"], batch["position_ids"], None, document_ids=batch["document_ids"])[0]
@@ -98,9 +103,12 @@ def mla_logits_vs_alone() -> dict:
         shutdown()
 
 
-def test_mla_packed_documents_give_each_documents_logits():
-    (result,) = run_ranks(1, "tests.pretrain.test_deepseek_documents:mla_logits_vs_alone")
-    print(f"\ntiny-deepseek logits: {result}")
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_mla_packed_documents_give_each_documents_logits(rope):
+    """Also with YaRN: its angles at the given positions, and its cos/sin factor, which upstream's
+    own module applies (models.mla._GivenTableRotary)."""
+    (result,) = run_ranks(1, "tests.pretrain.test_deepseek_documents:mla_logits_vs_alone", yarn=rope == "yarn")
+    print(f"\ntiny-deepseek logits ({rope} RoPE): {result}")
     assert result["shape"] == [sum(LENGTHS), 4096], result
     assert result["packed"] <= 1e-5, result
     assert result["gapped"] <= 1e-5, result
