@@ -125,7 +125,8 @@ def plot(stats: dict, path: Path, seeds: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    # Own y axes: the standard runs' losses at large LR (up to ~20) would flatten muP's curves.
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     base = min(int(w) for w in stats["mup"])
     for ax, (kind, title) in zip(axes, (("sp", "standard parametrization"), ("mup", f"muP (base width {base})")),
                                  strict=True):
@@ -139,7 +140,8 @@ def plot(stats: dict, path: Path, seeds: int) -> None:
         ax.set_xlabel("learning rate")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"held-out loss (mean ± SE over {seeds} seeds)")
+    for ax in axes:
+        ax.set_ylabel(f"held-out loss (mean ± SE over {seeds} seeds)")
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
