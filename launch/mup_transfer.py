@@ -15,7 +15,8 @@ A run that diverged (a non-finite loss, or it stopped early) makes its point inf
 a width is the grid LR with the lowest mean, and it is "separated" when the runner-up's mean is
 higher by more than the two SEs combined (sqrt(se1^2 + se2^2)). Writes OUT/results.json (per-seed
 losses, means, SEs, best LRs) and OUT/lr_transfer.png (means with SE bars) and prints, per
-width, the best LR of each parametrization.
+width, the best LR of each parametrization. Results: docs/benchmarks.md (muP); a short run's
+held-out loss can catch a transient spike of its last update, so read the per-seed values too.
 """
 
 from __future__ import annotations
