@@ -266,7 +266,11 @@ def _program(spec: JobSpec) -> list[str]:
         # loaded 2-node test job once formed on its first node alone (the second node's torchrun
         # joined later and waited), training at half the DP it was given.
         elastic = (f"--max-restarts={spec.elastic_restarts}", "--rdzv-conf=last_call_timeout=30")
-    return [f"{python} -m torch.distributed.run"] + ["    " + opt for opt in (
+    # Elastic: the guard runs torchrun and, when it fails because this script's node (the
+    # batch host, which also holds the rendezvous store) is lost, requeues or cancels the job.
+    guard = [f"{python} -m launch.launchers.elastic_guard --min-nodes={spec.elastic_min_nodes} --"] \
+        if spec.elastic_min_nodes else []
+    return guard + [f"{python} -m torch.distributed.run"] + ["    " + opt for opt in (
         nnodes, *elastic, f"--nproc-per-node={spec.tasks_per_node}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
         '--rdzv-id="$SLURM_JOB_ID"',
@@ -284,6 +288,10 @@ def _elastic_env(spec: JobSpec) -> list[str]:
         "# group: the ranks of the new group then read the old group's addresses and fail",
         "# (pytorch/pytorch#135712). A store of their own per group avoids it.",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "# This node holds the store and runs this script: if it is lost, nothing is left to",
+        "# end the job. Each node's launch.launchers.elastic_guard then sees its torchrun fail,",
+        "# asks Slurm whether this node is down, and if so requeues the job (it resumes on the",
+        "# nodes left) or, with --no-requeue, cancels it; a line in the node's log says which.",
         "",
     ]
 

@@ -1,0 +1,193 @@
+"""What srun starts on each node of an elastic job: torchrun, and a check when it fails.
+
+    srun --no-kill --kill-on-bad-exit=0 python -m launch.launchers.elastic_guard --min-nodes=2 -- \\
+        python -m torch.distributed.run --nnodes=2:$SLURM_JOB_NUM_NODES ... -m pretrain ...
+
+Why: the first node of the allocation runs the batch script and hosts torchrun's c10d
+rendezvous store (MASTER_ADDR). When it is lost, the torchruns left exit ("The connection
+to the C10d store has failed"), and under --no-kill Slurm merely drops the node: the job
+stays RUNNING with nothing training until its time limit, and no batch script is left to
+notice. So each torchrun's wrapper, on a node that is not the batch host, asks Slurm
+whether the batch host is down when its torchrun exits non-zero; if so it requeues the job
+(asking for the nodes left, at least --min-nodes: it resumes from the last complete checkpoint
+on them)
+or, with requeue off, cancels it, each with one line in the node's log saying why.
+A batch host that is alive (its slurmd answers) is left to handle the failure itself.
+
+Standard library only: it starts before, and outside of, the training's imports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+PREFIX = "[launch.slurm]"
+# Slurm marks a node DOWN about SlurmdTimeout after it stopped answering (plus its ping
+# interval, up to ~SlurmdTimeout/3): the wait for that is SlurmdTimeout + this much.
+DOWN_MARGIN_S = 60
+POLL_S = 2.0
+# slurmstepd signals every process of the step (torchrun gets them itself): the guard
+# outlives them to see how torchrun ended, and forwards nothing (that would signal twice).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """`scontrol show job|node --oneliner` output: KEY=VALUE words (values without spaces)."""
+    return dict(word.split("=", 1) for word in text.split() if "=" in word)
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """`scontrol show config`: `Key = value` lines."""
+    return {k.strip(): v.strip() for k, _, v in (ln.partition("=") for ln in text.splitlines()) if _}
+
+
+def is_down(node_state: str) -> bool:
+    """A node Slurm has given up on: DOWN (with flags, e.g. DOWN+NOT_RESPONDING) or FAIL.
+    NOT_RESPONDING alone (a missed ping) is not enough: the node may still answer."""
+    base = node_state.split("+")[0].rstrip("*")
+    return base in ("DOWN", "FAIL", "FAILING")
+
+
+def seconds(text: str, default: int) -> int:
+    """SlurmdTimeout as `scontrol show config` prints it ("10 sec", "300 sec")."""
+    head = text.split()[0] if text.split() else ""
+    return int(head) if head.isdigit() else default
+
+
+def scontrol(*args: str) -> str:
+    out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
+    if out.returncode:
+        raise RuntimeError(f"scontrol {' '.join(args)}: {(out.stderr or out.stdout).strip()}")
+    return out.stdout
+
+
+def slurmd_answers(address: str, port: int, timeout: float = 5.0) -> bool:
+    """True when something accepts a connection on the node's slurmd port: the node is up
+    (a crashed node's port refuses or times out). Asked first, so a failure on a healthy
+    cluster is not held up for SlurmdTimeout."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until_down(state_of: Callable[[], str], timeout: float, every: float = POLL_S,
+                    clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> tuple[bool, str]:
+    """Poll the node's state until Slurm marks it down or `timeout` passes: (down, last state)."""
+    deadline = clock() + timeout
+    while True:
+        state = state_of()
+        if is_down(state) or clock() >= deadline:
+            return is_down(state), state
+        sleep(every)
+
+
+def requeue_size(job: dict[str, str], host: str, left: list[str], min_nodes: int) -> tuple[int, int]:
+    """(nodes, tasks) for the requeued job. The job asked for its full node count
+    (`#SBATCH --nodes=MAX`: a MIN-MAX range gets MIN nodes at the first start too, seen on
+    Slurm 22.05 even with all nodes idle), which the nodes left cannot give: it would wait for
+    the lost node. So the requeued job asks for the nodes left (at least MIN), and as many
+    tasks (one torchrun per node, NtasksPerN)."""
+    nodes = max(len([n for n in left if n != host]), min_nodes)
+    per_node = job.get("NtasksPerN:B:S:C", "1").split(":")[0]
+    return nodes, nodes * (int(per_node) if per_node.isdigit() and int(per_node) > 0 else 1)
+
+
+def act(job: dict[str, str], host: str, state: str, nodes: int, tasks: int) -> tuple[str, list[list[str]]]:
+    """The message and the commands once the batch host `host` is down: requeue on `nodes`
+    nodes, or cancel when the job may not be requeued (launch.slurm --no-requeue)."""
+    job_id = job["JobId"]
+    if job.get("Requeue") == "1":
+        # Requeue first: the node count of a running job is its allocation (an update would
+        # resize it); the requeued one is not started before cred_expire (120 s by default).
+        return (f"{PREFIX} the batch host {host} is down (State={state}): requeueing job {job_id} to resume "
+                f"from the last checkpoint on the {nodes} node(s) left",
+                [["scontrol", "requeue", job_id],
+                 ["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}", f"NumTasks={tasks}"]])
+    return (f"{PREFIX} the batch host {host} is down (State={state}) and job {job_id} may not be requeued "
+            "(--no-requeue): cancelling it; resubmit to resume from the last checkpoint", [["scancel", job_id]])
+
+
+def harmless(stderr: str) -> bool:
+    """What scontrol says when another survivor has requeued the job first ("Job is pending
+    execution for job 5", seen on Slurm 22.05): nothing to undo."""
+    text = stderr.lower()
+    return any(s in text for s in ("pending", "presently disabled", "already completing", "completed"))
+
+
+def _alive(host: str, node: dict[str, str], config: dict[str, str]) -> bool:
+    port = (config.get("SlurmdPort") or "x").split()[0]
+    if is_down(node.get("State", "")) or not port.isdigit():
+        return False
+    return slurmd_answers(node.get("NodeAddr", host), int(port))
+
+
+def check_batch_host(job_id: str, me: str, min_nodes: int, log: Callable[[str], None] = print) -> None:
+    """After this node's torchrun failed: requeue (or cancel) the job if its batch host is down."""
+    job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
+    host = job.get("BatchHost", "")
+    if not host or host == me:
+        return  # this node runs the batch script, which sees srun end
+    config = parse_config(scontrol("show", "config"))
+    if _alive(host, parse_fields(scontrol("show", "node", "--oneliner", host)), config):
+        return  # its batch script handles the failure
+    timeout = seconds(config.get("SlurmdTimeout", ""), 300) + DOWN_MARGIN_S
+    log(f"{PREFIX} {me}: torchrun failed and the batch host {host} does not answer; waiting up to "
+        f"{timeout} s for Slurm to mark it down")
+    down, state = wait_until_down(
+        lambda: parse_fields(scontrol("show", "node", "--oneliner", host)).get("State", ""), timeout)
+    if not down:
+        log(f"{PREFIX} {me}: the batch host {host} is still State={state} after {timeout} s; leaving the job as it is")
+        return
+    job = parse_fields(scontrol("show", "job", "--oneliner", job_id))  # without the lost node now
+    left = scontrol("show", "hostnames", job.get("NodeList", "")).split() if job.get("NodeList") else []
+    message, commands = act(job, host, state, *requeue_size(job, host, left, min_nodes))
+    log(message)
+    for command in commands:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        if out.returncode and not harmless(out.stderr):
+            log(f"{PREFIX} {' '.join(command)} failed: {out.stderr.strip()}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    options, command = argv[:split], argv[split + 1:]
+    min_nodes = [int(o.split("=", 1)[1]) for o in options if o.startswith("--min-nodes=") and o[12:].isdigit()]
+    if not command or len(min_nodes) != 1 or len(options) != 1:
+        print("usage: python -m launch.launchers.elastic_guard --min-nodes=N -- TORCHRUN_COMMAND...",
+              file=sys.stderr)
+        return 2
+    stopped: list[int] = []
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: stopped.append(signum))
+    child = subprocess.Popen(command)  # caught signals are reset to default by exec
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:
+            continue
+    # A signal means Slurm or the user is ending the step (time limit, scancel, preemption):
+    # not a lost batch host.
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if rc == 0 or stopped or not job_id:
+        return rc
+    me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    try:
+        check_batch_host(job_id, me, min_nodes[0], log=lambda line: print(line, flush=True))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        print(f"{PREFIX} {me}: could not check the batch host after torchrun failed: {exc}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""launch.launchers.elastic_guard without a cluster: its reading of scontrol and its decision.
+
+The scontrol texts in fixtures/scontrol/ were captured on the namespace cluster (Slurm
+22.05.8, `ci_cluster start --nodes 3`): a `--no-kill --requeue` job on mn[1-2], its batch
+host mn1 crashed (`ci_cluster crash --node 1`): mn1 MIXED, then DOWN+NOT_RESPONDING at ~+27 s,
+when the job, still RUNNING, had dropped it (NodeList=mn2, BatchHost=mn1 unchanged); a second
+`scontrol requeue` of the requeued job (exit 1). The job on the cluster is
+tests/launch/test_multinode_batch_host.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.launchers import elastic_guard as guard
+from launch.launchers.slurm import main as slurm_main
+
+FIXTURES = Path(__file__).parent / "fixtures" / "scontrol"
+
+
+def _text(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+def test_reads_the_job_node_and_config_as_scontrol_prints_them():
+    job = guard.parse_fields(_text("job_running.txt"))
+    assert (job["JobId"], job["JobState"], job["BatchHost"], job["Requeue"], job["NodeList"]) == (
+        "1", "RUNNING", "mn1", "1", "mn[1-2]")
+    assert guard.parse_fields(_text("job_batch_host_dropped.txt"))["NodeList"] == "mn2"
+    up, down = guard.parse_fields(_text("node_up.txt")), guard.parse_fields(_text("node_down.txt"))
+    assert (up["State"], up["NodeAddr"]) == ("MIXED", "10.235.253.11")
+    assert down["State"] == "DOWN+NOT_RESPONDING"
+    config = guard.parse_config(_text("config_excerpt.txt"))
+    assert guard.seconds(config["SlurmdTimeout"], 300) == 10 and config["SlurmdPort"] == "20311"
+    assert guard.seconds("", 300) == 300
+
+
+@pytest.mark.parametrize("state, down", [
+    ("MIXED", False), ("MIXED+NOT_RESPONDING", False),  # a missed ping: it may still answer
+    ("DOWN+NOT_RESPONDING", True), ("DOWN", True), ("DOWN*", True), ("FAIL", True), ("IDLE", False), ("", False)])
+def test_only_a_node_slurm_gave_up_on_counts_as_down(state, down):
+    assert guard.is_down(state) is down
+
+
+def test_waits_for_down_and_gives_up_at_the_deadline():
+    now = [0.0]
+    states = iter(["MIXED", "MIXED+NOT_RESPONDING", "DOWN+NOT_RESPONDING"])
+    got = guard.wait_until_down(lambda: next(states), timeout=70, clock=lambda: now[0],
+                                sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert got == (True, "DOWN+NOT_RESPONDING") and now[0] == 2 * guard.POLL_S
+    now[0] = 0.0
+    got = guard.wait_until_down(lambda: "MIXED", timeout=10, clock=lambda: now[0],
+                                sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert got == (False, "MIXED") and now[0] >= 10
+
+
+def test_requeues_on_the_nodes_left_or_cancels_without_requeue():
+    job = guard.parse_fields(_text("job_batch_host_dropped.txt"))
+    assert guard.requeue_size(job, "mn1", ["mn2"], 1) == (1, 1)
+    assert guard.requeue_size(job, "mn1", ["mn2"], 2) == (2, 2)  # never below --elastic-min-nodes
+    assert guard.requeue_size(job, "mn1", ["mn1", "mn2", "mn3"], 2) == (2, 2)  # the lost node not counted
+    message, commands = guard.act(job, "mn1", "DOWN+NOT_RESPONDING", 2, 2)
+    assert message == ("[launch.slurm] the batch host mn1 is down (State=DOWN+NOT_RESPONDING): requeueing job 1 "
+                       "to resume from the last checkpoint on the 2 node(s) left")
+    assert commands == [["scontrol", "requeue", "1"], ["scontrol", "update", "JobId=1", "NumNodes=2", "NumTasks=2"]]
+    message, commands = guard.act(dict(job, Requeue="0"), "mn1", "DOWN", 2, 2)
+    assert "may not be requeued (--no-requeue): cancelling it" in message and commands == [["scancel", "1"]]
+
+
+def test_a_second_survivors_requeue_is_harmless_other_errors_are_not():
+    assert guard.harmless(_text("requeue_pending.txt"))
+    assert not guard.harmless("scontrol: error: Invalid job id specified")
+    assert not guard.harmless("Access/permission denied")
+
+
+def _fake_slurm(monkeypatch, node_states: list[str], answers: bool) -> list[list[str]]:
+    """scontrol answering from the fixtures; the commands the guard ran are returned."""
+    states = iter(node_states)
+    ran: list[list[str]] = []
+
+    def scontrol(*args: str) -> str:
+        if args[:2] == ("show", "job"):
+            return _text("job_batch_host_dropped.txt")
+        if args[:2] == ("show", "node"):
+            return _text("node_up.txt").replace("State=MIXED", f"State={next(states)}")
+        if args[:2] == ("show", "config"):
+            return _text("config_excerpt.txt")
+        if args[:2] == ("show", "hostnames"):
+            return "mn2\n"
+        raise AssertionError(args)
+
+    def run(command, **_):
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(guard, "scontrol", scontrol)
+    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: answers)
+    monkeypatch.setattr(guard.subprocess, "run", run)
+    monkeypatch.setattr(guard.time, "sleep", lambda s: None)
+    return ran
+
+
+def test_a_survivor_requeues_when_the_batch_host_is_down(monkeypatch):
+    ran = _fake_slurm(monkeypatch, ["MIXED", "MIXED+NOT_RESPONDING", "DOWN+NOT_RESPONDING"], answers=False)
+    lines: list[str] = []
+    guard.check_batch_host("1", "mn2", 1, log=lines.append)
+    assert ran == [["scontrol", "requeue", "1"], ["scontrol", "update", "JobId=1", "NumNodes=1", "NumTasks=1"]]
+    assert "waiting up to 70 s for Slurm to mark it down" in lines[0] and "requeueing job 1" in lines[1], lines
+
+
+def test_nothing_is_done_when_the_batch_host_answers_or_is_this_node(monkeypatch):
+    ran = _fake_slurm(monkeypatch, ["MIXED"], answers=True)
+    lines: list[str] = []
+    guard.check_batch_host("1", "mn2", 1, log=lines.append)
+    guard.check_batch_host("1", "mn1", 1, log=lines.append)  # the batch host itself: its script sees srun end
+    assert ran == [] and lines == []
+
+
+def test_passes_torchruns_exit_status_through(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    for code in (0, 3):
+        assert guard.main(["--min-nodes=2", "--", sys.executable, "-c", f"raise SystemExit({code})"]) == code
+    assert guard.main(["--", "true"]) == 2  # --min-nodes is required
+
+
+def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_node(capsys):
+    common = ["--recipe", "tiny-llama", "--cpu", "--ntasks-per-node", "2", "--launcher", "torchrun",
+              "--partition", "debug", "--time", "10", "--dry-run", "checkpoint.resume=auto",
+              "checkpoint.save_interval=2", "schedule.micro_batch_size=2", "--nodes", "4",
+              "schedule.global_batch_size=48"]
+    assert slurm_main(common + ["--elastic-min-nodes", "2"]) == 0
+    script = capsys.readouterr().out
+    # The full count: a MIN-MAX range gets MIN nodes at the first start (Slurm 22.05, nodes idle).
+    assert "#SBATCH --nodes=4\n" in script
+    assert "-m launch.launchers.elastic_guard --min-nodes=2 -- \\\n    " in script
+    assert script.index("elastic_guard") < script.index("-m torch.distributed.run")
+    assert slurm_main(common) == 0
+    assert "elastic_guard" not in capsys.readouterr().out
