@@ -1,6 +1,6 @@
 """What srun starts on each node of an elastic job: torchrun, and a check when it fails.
 
-    srun --no-kill --kill-on-bad-exit=0 python -m launch.launchers.elastic_guard --min-nodes=2 -- \\
+    srun --no-kill --kill-on-bad-exit=0 python -m launch.launchers.elastic_guard -- \\
         python -m torch.distributed.run --nnodes=2:$SLURM_JOB_NUM_NODES ... -m pretrain ...
 
 Why: the first node of the allocation runs the batch script and hosts torchrun's c10d
@@ -9,8 +9,8 @@ to the C10d store has failed"), and under --no-kill Slurm merely drops the node:
 stays RUNNING with nothing training until its time limit, and no batch script is left to
 notice. So each torchrun's wrapper, on a node that is not the batch host, asks Slurm
 whether the batch host is down when its torchrun exits non-zero; if so it requeues the job
-(asking for the nodes left, at least --min-nodes: it resumes from the last complete checkpoint
-on them)
+(it asks for MIN-MAX nodes, `#SBATCH --nodes`, and resumes from the last complete checkpoint
+on the nodes left)
 or, with requeue off, cancels it, each with one line in the node's log saying why.
 A batch host that is alive (its slurmd answers) is left to handle the failure itself.
 
@@ -90,35 +90,21 @@ def wait_until_down(state_of: Callable[[], str], timeout: float, every: float = 
         sleep(every)
 
 
-def requeue_size(job: dict[str, str], host: str, left: list[str], min_nodes: int) -> tuple[int, int]:
-    """(nodes, tasks) for the requeued job. The job asked for its full node count
-    (`#SBATCH --nodes=MAX`: a MIN-MAX range gets MIN nodes at the first start too, seen on
-    Slurm 22.05 even with all nodes idle), which the nodes left cannot give: it would wait for
-    the lost node. So the requeued job asks for the nodes left (at least MIN), and as many
-    tasks (one torchrun per node, NtasksPerN)."""
-    nodes = max(len([n for n in left if n != host]), min_nodes)
-    per_node = job.get("NtasksPerN:B:S:C", "1").split(":")[0]
-    return nodes, nodes * (int(per_node) if per_node.isdigit() and int(per_node) > 0 else 1)
-
-
-def act(job: dict[str, str], host: str, state: str, nodes: int, tasks: int) -> tuple[str, list[list[str]]]:
-    """The message and the commands once the batch host `host` is down: requeue on `nodes`
-    nodes, or cancel when the job may not be requeued (launch.slurm --no-requeue)."""
+def act(job: dict[str, str], host: str, state: str) -> tuple[str, list[str]]:
+    """The message and the command once the batch host `host` is down: requeue (the job asks
+    for MIN-MAX nodes, so it starts again on the nodes left), or cancel when the job may not
+    be requeued (launch.slurm --no-requeue)."""
     job_id = job["JobId"]
     if job.get("Requeue") == "1":
-        # Requeue first: the node count of a running job is its allocation (an update would
-        # resize it); the requeued one is not started before cred_expire (120 s by default).
         return (f"{PREFIX} the batch host {host} is down (State={state}): requeueing job {job_id} to resume "
-                f"from the last checkpoint on the {nodes} node(s) left",
-                [["scontrol", "requeue", job_id],
-                 ["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}", f"NumTasks={tasks}"]])
+                "from the last checkpoint on the nodes left", ["scontrol", "requeue", job_id])
     return (f"{PREFIX} the batch host {host} is down (State={state}) and job {job_id} may not be requeued "
-            "(--no-requeue): cancelling it; resubmit to resume from the last checkpoint", [["scancel", job_id]])
+            "(--no-requeue): cancelling it; resubmit to resume from the last checkpoint", ["scancel", job_id])
 
 
 def harmless(stderr: str) -> bool:
     """What scontrol says when another survivor has requeued the job first ("Job is pending
-    execution for job 5", seen on Slurm 22.05): nothing to undo."""
+    execution for job 1", seen on Slurm 22.05): nothing to undo."""
     text = stderr.lower()
     return any(s in text for s in ("pending", "presently disabled", "already completing", "completed"))
 
@@ -130,7 +116,7 @@ def _alive(host: str, node: dict[str, str], config: dict[str, str]) -> bool:
     return slurmd_answers(node.get("NodeAddr", host), int(port))
 
 
-def check_batch_host(job_id: str, me: str, min_nodes: int, log: Callable[[str], None] = print) -> None:
+def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -> None:
     """After this node's torchrun failed: requeue (or cancel) the job if its batch host is down."""
     job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
     host = job.get("BatchHost", "")
@@ -147,24 +133,19 @@ def check_batch_host(job_id: str, me: str, min_nodes: int, log: Callable[[str], 
     if not down:
         log(f"{PREFIX} {me}: the batch host {host} is still State={state} after {timeout} s; leaving the job as it is")
         return
-    job = parse_fields(scontrol("show", "job", "--oneliner", job_id))  # without the lost node now
-    left = scontrol("show", "hostnames", job.get("NodeList", "")).split() if job.get("NodeList") else []
-    message, commands = act(job, host, state, *requeue_size(job, host, left, min_nodes))
+    message, command = act(job, host, state)
     log(message)
-    for command in commands:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=30)
-        if out.returncode and not harmless(out.stderr):
-            log(f"{PREFIX} {' '.join(command)} failed: {out.stderr.strip()}")
+    out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    said = (out.stderr or out.stdout).strip()
+    if out.returncode and not (command[1:2] == ["requeue"] and harmless(said)):
+        log(f"{PREFIX} {' '.join(command)} failed: {said}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    split = argv.index("--") if "--" in argv else len(argv)
-    options, command = argv[:split], argv[split + 1:]
-    min_nodes = [int(o.split("=", 1)[1]) for o in options if o.startswith("--min-nodes=") and o[12:].isdigit()]
-    if not command or len(min_nodes) != 1 or len(options) != 1:
-        print("usage: python -m launch.launchers.elastic_guard --min-nodes=N -- TORCHRUN_COMMAND...",
-              file=sys.stderr)
+    command = argv[1:] if argv[:1] == ["--"] else []
+    if not command:
+        print("usage: python -m launch.launchers.elastic_guard -- TORCHRUN_COMMAND...", file=sys.stderr)
         return 2
     stopped: list[int] = []
     for sig in STOP_SIGNALS:
@@ -176,14 +157,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             break
         except InterruptedError:
             continue
-    # A signal means Slurm or the user is ending the step (time limit, scancel, preemption):
-    # not a lost batch host.
+    # From now on a signal ends the guard: when one survivor has requeued the job, the
+    # others must not hold up the end of the step (the requeued job starts after it).
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    # A signal before means Slurm or the user is ending the step (time limit, scancel,
+    # preemption): not a lost batch host.
     job_id = os.environ.get("SLURM_JOB_ID")
     if rc == 0 or stopped or not job_id:
         return rc
     me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     try:
-        check_batch_host(job_id, me, min_nodes[0], log=lambda line: print(line, flush=True))
+        check_batch_host(job_id, me, log=lambda line: print(line, flush=True))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         print(f"{PREFIX} {me}: could not check the batch host after torchrun failed: {exc}", flush=True)
     return rc

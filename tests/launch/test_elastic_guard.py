@@ -58,17 +58,14 @@ def test_waits_for_down_and_gives_up_at_the_deadline():
     assert got == (False, "MIXED") and now[0] >= 10
 
 
-def test_requeues_on_the_nodes_left_or_cancels_without_requeue():
+def test_requeues_or_cancels_without_requeue():
     job = guard.parse_fields(_text("job_batch_host_dropped.txt"))
-    assert guard.requeue_size(job, "mn1", ["mn2"], 1) == (1, 1)
-    assert guard.requeue_size(job, "mn1", ["mn2"], 2) == (2, 2)  # never below --elastic-min-nodes
-    assert guard.requeue_size(job, "mn1", ["mn1", "mn2", "mn3"], 2) == (2, 2)  # the lost node not counted
-    message, commands = guard.act(job, "mn1", "DOWN+NOT_RESPONDING", 2, 2)
+    message, command = guard.act(job, "mn1", "DOWN+NOT_RESPONDING")
     assert message == ("[launch.slurm] the batch host mn1 is down (State=DOWN+NOT_RESPONDING): requeueing job 1 "
-                       "to resume from the last checkpoint on the 2 node(s) left")
-    assert commands == [["scontrol", "requeue", "1"], ["scontrol", "update", "JobId=1", "NumNodes=2", "NumTasks=2"]]
-    message, commands = guard.act(dict(job, Requeue="0"), "mn1", "DOWN", 2, 2)
-    assert "may not be requeued (--no-requeue): cancelling it" in message and commands == [["scancel", "1"]]
+                       "to resume from the last checkpoint on the nodes left")
+    assert command == ["scontrol", "requeue", "1"]
+    message, command = guard.act(dict(job, Requeue="0"), "mn1", "DOWN")
+    assert "may not be requeued (--no-requeue): cancelling it" in message and command == ["scancel", "1"]
 
 
 def test_a_second_survivors_requeue_is_harmless_other_errors_are_not():
@@ -86,7 +83,7 @@ def _fake_slurm(monkeypatch, node_states: list[str], answers: bool) -> list[list
         if args[:2] == ("show", "job"):
             return _text("job_batch_host_dropped.txt")
         if args[:2] == ("show", "node"):
-            return _text("node_up.txt").replace("State=MIXED", f"State={next(states)}")
+            return _text("node_up.txt").replace("State=MIXED", f"State={next(states, node_states[-1])}")
         if args[:2] == ("show", "config"):
             return _text("config_excerpt.txt")
         if args[:2] == ("show", "hostnames"):
@@ -107,24 +104,37 @@ def _fake_slurm(monkeypatch, node_states: list[str], answers: bool) -> list[list
 def test_a_survivor_requeues_when_the_batch_host_is_down(monkeypatch):
     ran = _fake_slurm(monkeypatch, ["MIXED", "MIXED+NOT_RESPONDING", "DOWN+NOT_RESPONDING"], answers=False)
     lines: list[str] = []
-    guard.check_batch_host("1", "mn2", 1, log=lines.append)
-    assert ran == [["scontrol", "requeue", "1"], ["scontrol", "update", "JobId=1", "NumNodes=1", "NumTasks=1"]]
+    guard.check_batch_host("1", "mn2", log=lines.append)
+    assert ran == [["scontrol", "requeue", "1"]]
     assert "waiting up to 70 s for Slurm to mark it down" in lines[0] and "requeueing job 1" in lines[1], lines
+    assert len(lines) == 2, lines
+
+
+def test_a_second_survivor_finding_the_job_requeued_says_nothing_more(monkeypatch):
+    ran = _fake_slurm(monkeypatch, ["DOWN+NOT_RESPONDING"], answers=False)
+    monkeypatch.setattr(guard.subprocess, "run", lambda c, **_: ran.append(c) or subprocess.CompletedProcess(
+        c, 1, "", _text("requeue_pending.txt")))
+    lines: list[str] = []
+    guard.check_batch_host("1", "mn3", log=lines.append)
+    assert ran == [["scontrol", "requeue", "1"]] and len(lines) == 2 and "requeueing job 1" in lines[1], lines
+    monkeypatch.setattr(guard.subprocess, "run", lambda c, **_: subprocess.CompletedProcess(c, 1, "", "Invalid job id"))
+    guard.check_batch_host("1", "mn3", log=lines.append)
+    assert lines[-1] == "[launch.slurm] scontrol requeue 1 failed: Invalid job id", lines
 
 
 def test_nothing_is_done_when_the_batch_host_answers_or_is_this_node(monkeypatch):
     ran = _fake_slurm(monkeypatch, ["MIXED"], answers=True)
     lines: list[str] = []
-    guard.check_batch_host("1", "mn2", 1, log=lines.append)
-    guard.check_batch_host("1", "mn1", 1, log=lines.append)  # the batch host itself: its script sees srun end
+    guard.check_batch_host("1", "mn2", log=lines.append)
+    guard.check_batch_host("1", "mn1", log=lines.append)  # the batch host itself: its script sees srun end
     assert ran == [] and lines == []
 
 
 def test_passes_torchruns_exit_status_through(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     for code in (0, 3):
-        assert guard.main(["--min-nodes=2", "--", sys.executable, "-c", f"raise SystemExit({code})"]) == code
-    assert guard.main(["--", "true"]) == 2  # --min-nodes is required
+        assert guard.main(["--", sys.executable, "-c", f"raise SystemExit({code})"]) == code
+    assert guard.main([sys.executable]) == 2  # the command comes after --
 
 
 def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_node(capsys):
@@ -134,9 +144,14 @@ def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_nod
               "schedule.global_batch_size=48"]
     assert slurm_main(common + ["--elastic-min-nodes", "2"]) == 0
     script = capsys.readouterr().out
-    # The full count: a MIN-MAX range gets MIN nodes at the first start (Slurm 22.05, nodes idle).
-    assert "#SBATCH --nodes=4\n" in script
-    assert "-m launch.launchers.elastic_guard --min-nodes=2 -- \\\n    " in script
+    # MIN-MAX, so a requeued job starts on the nodes left; MAX tasks spread, so the first
+    # start gets MAX nodes (--ntasks-per-node with a range gets MIN: Slurm 22.05, nodes idle).
+    for line in ("#SBATCH --nodes=2-4\n", "#SBATCH --ntasks=4 ", "#SBATCH --spread-job ", "#SBATCH --cpus-per-task=2\n",
+                 '--ntasks="$SLURM_JOB_NUM_NODES" \\\n    --ntasks-per-node=1 \\\n'):
+        assert line in script, line
+    assert "#SBATCH --ntasks-per-node" not in script
+    assert "-m launch.launchers.elastic_guard -- \\\n    " in script
     assert script.index("elastic_guard") < script.index("-m torch.distributed.run")
     assert slurm_main(common) == 0
-    assert "elastic_guard" not in capsys.readouterr().out
+    plain = capsys.readouterr().out
+    assert "elastic_guard" not in plain and "#SBATCH --nodes=4\n" in plain and "#SBATCH --ntasks-per-node=1 " in plain
