@@ -9,10 +9,14 @@ to the C10d store has failed"), and under --no-kill Slurm merely drops the node:
 stays RUNNING with nothing training until its time limit, and no batch script is left to
 notice. So each torchrun's wrapper, on a node that is not the batch host, asks Slurm
 whether the batch host is down when its torchrun exits non-zero; if so it requeues the job
-(it asks for MIN-MAX nodes, `#SBATCH --nodes`, and resumes from the last complete checkpoint
-on the nodes left)
-or, with requeue off, cancels it, each with one line in the node's log saying why.
-A batch host that is alive (its slurmd answers) is left to handle the failure itself.
+(which asks for MIN-MAX nodes, so it starts again on the nodes left and resumes from the
+last complete checkpoint) or, with requeue off, cancels it, each with one line in the node's
+log saying why. A batch host that is alive (its slurmd answers) is left to handle the
+failure itself.
+
+Limit: scontrol must be on the node's PATH where the guard runs (inside the container with
+--container-image); without it the guard prints that it could not check, and the job stays
+as before.
 
 Standard library only: it starts before, and outside of, the training's imports.
 """
