@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -36,6 +37,9 @@ PREFIX = "[launch.slurm]"
 # interval, up to ~SlurmdTimeout/3): the wait for that is SlurmdTimeout + this much.
 DOWN_MARGIN_S = 60
 POLL_S = 2.0
+# How often a survivor probes the batch host's slurmd while torchrun runs: one connection
+# per node per 30 s to one slurmd (a few per second with a hundred nodes).
+WATCH_S = 30.0
 # slurmstepd signals every process of the step (torchrun gets them itself): the guard
 # outlives them to see how torchrun ended, and forwards nothing (that would signal twice).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
@@ -130,7 +134,7 @@ def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -
     if _alive(host, parse_fields(scontrol("show", "node", "--oneliner", host)), config):
         return  # its batch script handles the failure
     timeout = seconds(config.get("SlurmdTimeout", ""), 300) + DOWN_MARGIN_S
-    log(f"{PREFIX} {me}: torchrun failed and the batch host {host} does not answer; waiting up to "
+    log(f"{PREFIX} {me}: the batch host {host} does not answer; waiting up to "
         f"{timeout} s for Slurm to mark it down")
     down, state = wait_until_down(
         lambda: parse_fields(scontrol("show", "node", "--oneliner", host)).get("State", ""), timeout)
@@ -145,6 +149,30 @@ def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -
         log(f"{PREFIX} {' '.join(command)} failed: {said}")
 
 
+def watch_batch_host(job_id: str, me: str, running: Callable[[], bool], log: Callable[[str], None],
+                     every: float = WATCH_S) -> bool:
+    """While torchrun runs: probe the batch host's slurmd (a TCP connect, no load on
+    slurmctld) and, when it stops answering, do what check_batch_host does. Why not only
+    after torchrun exits: in 1 of 13 runs of tests/launch/test_multinode_batch_host.py the
+    survivors' workers failed ("Connection closed by peer") but their torchruns never exited,
+    and the job sat RUNNING with nothing training. True when it checked."""
+    job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
+    host = job.get("BatchHost", "")
+    if not host or host == me:
+        return False
+    config = parse_config(scontrol("show", "config"))
+    node = parse_fields(scontrol("show", "node", "--oneliner", host))
+    port = (config.get("SlurmdPort") or "x").split()[0]
+    if not port.isdigit():
+        return False
+    while running():
+        if not slurmd_answers(node.get("NodeAddr", host), int(port)):
+            check_batch_host(job_id, me, log)
+            return True
+        time.sleep(every)
+    return False
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[1:] if argv[:1] == ["--"] else []
@@ -155,6 +183,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, _frame: stopped.append(signum))
     child = subprocess.Popen(command)  # caught signals are reset to default by exec
+    job_id = os.environ.get("SLURM_JOB_ID")
+    me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    log = _logger(me)
+    if job_id:
+        threading.Thread(target=_guarded, args=(watch_batch_host, job_id, me, lambda: child.poll() is None, log),
+                         daemon=True).start()
     while True:
         try:
             rc = child.wait()
@@ -167,15 +201,35 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(sig, signal.SIG_DFL)
     # A signal before means Slurm or the user is ending the step (time limit, scancel,
     # preemption): not a lost batch host.
-    job_id = os.environ.get("SLURM_JOB_ID")
     if rc == 0 or stopped or not job_id:
         return rc
-    me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    try:
-        check_batch_host(job_id, me, log=lambda line: print(line, flush=True))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        print(f"{PREFIX} {me}: could not check the batch host after torchrun failed: {exc}", flush=True)
+    _guarded(check_batch_host, job_id, me, log)
     return rc
+
+
+def _logger(me: str) -> Callable[[str], None]:
+    lock = threading.Lock()  # the watcher thread and the main thread: one line at a time
+
+    def log(line: str) -> None:
+        with lock:
+            print(line, flush=True)
+    return log
+
+
+_CHECKING = threading.Lock()  # the watcher's check and the one after torchrun ended: one runs
+_CHECKED: list[bool] = []
+
+
+def _guarded(check: Callable[..., None], job_id: str, me: str, *args) -> None:
+    log = args[-1]
+    try:
+        with _CHECKING:
+            if _CHECKED:
+                return
+            if check(job_id, me, *args) or check is check_batch_host:
+                _CHECKED.append(True)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log(f"{PREFIX} {me}: could not check the batch host: {exc}")
 
 
 if __name__ == "__main__":

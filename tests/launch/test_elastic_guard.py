@@ -155,3 +155,16 @@ def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_nod
     assert slurm_main(common) == 0
     plain = capsys.readouterr().out
     assert "elastic_guard" not in plain and "#SBATCH --nodes=4\n" in plain and "#SBATCH --ntasks-per-node=1 " in plain
+
+
+def test_a_survivor_whose_torchrun_hangs_still_requeues(monkeypatch):
+    """The watcher: the batch host's slurmd stops answering while torchrun still runs."""
+    ran = _fake_slurm(monkeypatch, ["MIXED+NOT_RESPONDING", "DOWN+NOT_RESPONDING"], answers=False)
+    lines: list[str] = []
+    assert guard.watch_batch_host("1", "mn2", running=lambda: True, log=lines.append, every=0)
+    assert ran == [["scontrol", "requeue", "1"]] and "requeueing job 1" in lines[-1], lines
+    ran.clear()
+    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: True)
+    alive = iter([True, True, False])
+    assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0)
+    assert ran == []
