@@ -43,6 +43,12 @@ WATCH_S = 30.0
 # slurmstepd signals every process of the step (torchrun gets them itself): the guard
 # outlives them to see how torchrun ended, and forwards nothing (that would signal twice).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# Set by those signals: Slurm (or the user) is ending the step, and SIGKILL follows KillWait
+# (30 s by default) later. The checks below then act at once instead of waiting.
+ENDING = threading.Event()
+ENDING_WHY = "does not answer while Slurm ends this step"
+# How long the guard, signalled, gives the watcher's check after torchrun exited (within KillWait).
+ENDING_CHECK_S = 20.0
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -88,25 +94,28 @@ def slurmd_answers(address: str, port: int, timeout: float = 5.0) -> bool:
 
 def wait_until_down(state_of: Callable[[], str], timeout: float, every: float = POLL_S,
                     clock: Callable[[], float] = time.monotonic,
-                    sleep: Callable[[float], None] = time.sleep) -> tuple[bool, str]:
-    """Poll the node's state until Slurm marks it down or `timeout` passes: (down, last state)."""
+                    sleep: Optional[Callable[[float], None]] = None,
+                    ending: Callable[[], bool] = lambda: False) -> tuple[bool, str]:
+    """Poll the node's state until Slurm marks it down, `timeout` passes or the step is
+    `ending` (no time left to wait): (down, last state)."""
+    sleep = sleep or time.sleep
     deadline = clock() + timeout
     while True:
         state = state_of()
-        if is_down(state) or clock() >= deadline:
+        if is_down(state) or clock() >= deadline or ending():
             return is_down(state), state
         sleep(every)
 
 
-def act(job: dict[str, str], host: str, state: str) -> tuple[str, list[str]]:
-    """The message and the command once the batch host `host` is down: requeue (the job asks
-    for MIN-MAX nodes, so it starts again on the nodes left), or cancel when the job may not
-    be requeued (launch.slurm --no-requeue)."""
+def act(job: dict[str, str], host: str, state: str, why: str = "is down") -> tuple[str, list[str]]:
+    """The message and the command once the batch host `host` is down (or, `why`, does not
+    answer while Slurm ends the step): requeue (the job asks for MIN-MAX nodes, so it starts
+    again on the nodes left), or cancel when the job may not be requeued (--no-requeue)."""
     job_id = job["JobId"]
     if job.get("Requeue") == "1":
-        return (f"{PREFIX} the batch host {host} is down (State={state}): requeueing job {job_id} to resume "
+        return (f"{PREFIX} the batch host {host} {why} (State={state}): requeueing job {job_id} to resume "
                 "from the last checkpoint on the nodes left", ["scontrol", "requeue", job_id])
-    return (f"{PREFIX} the batch host {host} is down (State={state}) and job {job_id} may not be requeued "
+    return (f"{PREFIX} the batch host {host} {why} (State={state}) and job {job_id} may not be requeued "
             "(--no-requeue): cancelling it; resubmit to resume from the last checkpoint", ["scancel", job_id])
 
 
@@ -125,23 +134,40 @@ def _alive(host: str, node: dict[str, str], config: dict[str, str]) -> bool:
 
 
 def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -> None:
-    """After this node's torchrun failed: requeue (or cancel) the job if its batch host is down."""
+    """After this node's torchrun failed: requeue (or cancel) the job if its batch host is down.
+    When Slurm is ending the step (ENDING: the guard got a signal) there is no time to wait for
+    Slurm to mark the host down (KillWait, 30 s by default, is shorter than SlurmdTimeout,
+    300 s): a batch host that does not answer is taken as lost at once, and the requeued job
+    stays COMPLETING until Slurm marks it down, then starts on the nodes left. Why: in 3 of 36
+    runs of tests/launch/test_multinode_batch_host.py Slurm ended the survivors' step within
+    7 s of the crash, before their torchruns had exited on their own."""
     job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
     host = job.get("BatchHost", "")
     if not host or host == me:
         return  # this node runs the batch script, which sees srun end
     config = parse_config(scontrol("show", "config"))
-    if _alive(host, parse_fields(scontrol("show", "node", "--oneliner", host)), config):
+    node = parse_fields(scontrol("show", "node", "--oneliner", host))
+    if _alive(host, node, config):
         return  # its batch script handles the failure
+    if ENDING.is_set():
+        _run(*act(job, host, node.get("State", "?"), ENDING_WHY), log)
+        return
     timeout = seconds(config.get("SlurmdTimeout", ""), 300) + DOWN_MARGIN_S
     log(f"{PREFIX} {me}: the batch host {host} does not answer; waiting up to "
         f"{timeout} s for Slurm to mark it down")
     down, state = wait_until_down(
-        lambda: parse_fields(scontrol("show", "node", "--oneliner", host)).get("State", ""), timeout)
+        lambda: parse_fields(scontrol("show", "node", "--oneliner", host)).get("State", ""), timeout,
+        ending=ENDING.is_set)
+    if not down and ENDING.is_set():
+        _run(*act(job, host, state, ENDING_WHY), log)
+        return
     if not down:
         log(f"{PREFIX} {me}: the batch host {host} is still State={state} after {timeout} s; leaving the job as it is")
         return
-    message, command = act(job, host, state)
+    _run(*act(job, host, state), log)
+
+
+def _run(message: str, command: list[str], log: Callable[[str], None]) -> None:
     log(message)
     out = subprocess.run(command, capture_output=True, text=True, timeout=30)
     said = (out.stderr or out.stdout).strip()
@@ -152,10 +178,11 @@ def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -
 def watch_batch_host(job_id: str, me: str, running: Callable[[], bool], log: Callable[[str], None],
                      every: float = WATCH_S) -> bool:
     """While torchrun runs: probe the batch host's slurmd (a TCP connect, no load on
-    slurmctld) and, when it stops answering, do what check_batch_host does. Why not only
-    after torchrun exits: in 1 of 13 runs of tests/launch/test_multinode_batch_host.py the
-    survivors' workers failed ("Connection closed by peer") but their torchruns never exited,
-    and the job sat RUNNING with nothing training. True when it checked."""
+    slurmctld) and, when it stops answering or the step is ENDING, do what check_batch_host
+    does. Why not only after torchrun exits: in 1 of 13 runs of
+    tests/launch/test_multinode_batch_host.py the survivors' workers failed ("Connection
+    closed by peer") but their torchruns never exited, and the job sat RUNNING with nothing
+    training; in 3 of 36 Slurm ended the step first. True when it checked."""
     job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
     host = job.get("BatchHost", "")
     if not host or host == me:
@@ -165,12 +192,15 @@ def watch_batch_host(job_id: str, me: str, running: Callable[[], bool], log: Cal
     port = (config.get("SlurmdPort") or "x").split()[0]
     if not port.isdigit():
         return False
-    while running():
+    while not ENDING.is_set() and running():
         if not slurmd_answers(node.get("NodeAddr", host), int(port)):
-            check_batch_host(job_id, me, log)
-            return True
-        time.sleep(every)
-    return False
+            break
+        ENDING.wait(every)
+    else:
+        if not ENDING.is_set():
+            return False  # torchrun ended on its own: main() checks
+    check_batch_host(job_id, me, log)
+    return True
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -179,30 +209,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not command:
         print("usage: python -m launch.launchers.elastic_guard -- TORCHRUN_COMMAND...", file=sys.stderr)
         return 2
-    stopped: list[int] = []
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, _frame: stopped.append(signum))
+        signal.signal(sig, lambda signum, _frame: ENDING.set())
     child = subprocess.Popen(command)  # caught signals are reset to default by exec
     job_id = os.environ.get("SLURM_JOB_ID")
     me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     log = _logger(me)
+    watcher = threading.Thread(target=_guarded, args=(watch_batch_host, job_id, me, lambda: child.poll() is None, log),
+                               daemon=True)
     if job_id:
-        threading.Thread(target=_guarded, args=(watch_batch_host, job_id, me, lambda: child.poll() is None, log),
-                         daemon=True).start()
+        watcher.start()
     while True:
         try:
             rc = child.wait()
             break
         except InterruptedError:
             continue
-    # From now on a signal ends the guard: when one survivor has requeued the job, the
-    # others must not hold up the end of the step (the requeued job starts after it).
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
-    # A signal before means Slurm or the user is ending the step (time limit, scancel,
-    # preemption): not a lost batch host.
-    if rc == 0 or stopped or not job_id:
+    if rc == 0 or not job_id:
         return rc
+    if ENDING.is_set():
+        # Slurm or the user is ending the step (time limit, scancel, preemption, or a lost
+        # batch host): the watcher checks the batch host at once (a live one means a stop).
+        watcher.join(timeout=ENDING_CHECK_S)
+    # A no-op when the watcher checked. A signal from now on (the step ended because another
+    # survivor requeued the job) cuts its wait for Slurm short: it acts at once, harmlessly.
     _guarded(check_batch_host, job_id, me, log)
     return rc
 

@@ -20,6 +20,15 @@ from launch.launchers import elastic_guard as guard
 from launch.launchers.slurm import main as slurm_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "scontrol"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _not_ending():
+    """guard.ENDING is the process's "a signal came" flag: each test starts without one."""
+    guard.ENDING.clear()
+    yield
+    guard.ENDING.clear()
 
 
 def _text(name: str) -> str:
@@ -168,3 +177,95 @@ def test_a_survivor_whose_torchrun_hangs_still_requeues(monkeypatch):
     alive = iter([True, True, False])
     assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0)
     assert ran == []
+
+
+def test_when_slurm_ends_the_step_a_silent_batch_host_is_taken_as_lost_at_once(monkeypatch):
+    """No wait for DOWN under a signal: KillWait (30 s) is shorter than SlurmdTimeout (300 s)."""
+    ran = _fake_slurm(monkeypatch, ["MIXED+NOT_RESPONDING"], answers=False)
+    lines: list[str] = []
+    guard.ENDING.set()
+    guard.check_batch_host("1", "mn2", log=lines.append)
+    assert ran == [["scontrol", "requeue", "1"]]
+    assert lines == ["[launch.slurm] the batch host mn1 does not answer while Slurm ends this step "
+                     "(State=MIXED+NOT_RESPONDING): requeueing job 1 to resume from the last checkpoint on the nodes left"]
+    # A signal during the wait for DOWN cuts it short the same way.
+    guard.ENDING.clear()
+    ran.clear()
+    fake, nodes_shown = guard.scontrol, []
+
+    def signal_at_the_third_poll(*args: str) -> str:  # the check shows the node once, then polls
+        if args[:2] == ("show", "node"):
+            nodes_shown.append(args)
+            if len(nodes_shown) == 4:
+                guard.ENDING.set()
+        return fake(*args)
+    monkeypatch.setattr(guard, "scontrol", signal_at_the_third_poll)
+    lines.clear()
+    guard.check_batch_host("1", "mn2", log=lines.append)
+    assert ran == [["scontrol", "requeue", "1"]] and "waiting up to" in lines[0] and ENDING_LINE in lines[1], lines
+
+
+ENDING_LINE = "does not answer while Slurm ends this step"
+
+
+def _fake_scontrol_bin(tmp_path: Path, slurmd_port: int) -> Path:
+    """An `scontrol` on PATH answering from the fixtures (the batch host mn1 at 127.0.0.1 and
+    `slurmd_port`) and writing each call to calls.txt."""
+    (tmp_path / "job.txt").write_text(_text("job_running.txt"))
+    (tmp_path / "node.txt").write_text(_text("node_up.txt").replace("NodeAddr=10.235.253.11", "NodeAddr=127.0.0.1"))
+    (tmp_path / "config.txt").write_text(_text("config_excerpt.txt").replace("20311", str(slurmd_port)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f"""#!{sys.executable}
+import sys
+from pathlib import Path
+d = Path({str(tmp_path)!r})
+with open(d / "calls.txt", "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+what = {{"job": "job.txt", "node": "node.txt", "config": "config.txt"}}
+if sys.argv[1:2] == ["show"]:
+    print((d / what[sys.argv[2]]).read_text())
+""")
+    script.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("batch_host_alive", [True, False])
+def test_a_signalled_guard_requeues_only_if_the_batch_host_is_silent(tmp_path, batch_host_alive):
+    """The guard as srun runs it, torchrun's place taken by a sleeping child; Slurm ends the
+    step (SIGTERM to every process of it). The batch host's slurmd is a listening socket here:
+    open, it is a stop (scancel, time limit), nothing is done; closed, the job is requeued."""
+    import os
+    import signal
+    import socket
+    import time
+
+    slurmd = socket.create_server(("127.0.0.1", 0))
+    bin_dir = _fake_scontrol_bin(tmp_path, slurmd.getsockname()[1])
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURMD_NODENAME="mn2",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "launch.launchers.elastic_guard", "--", sys.executable, "-c",
+                             "import time; time.sleep(120)"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    calls = tmp_path / "calls.txt"
+    deadline = time.monotonic() + 60
+    while "show node" not in (calls.read_text() if calls.exists() else ""):  # the watcher is watching
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(0.5)  # past its first probe
+    if not batch_host_alive:
+        slurmd.close()
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - started
+    slurmd.close()
+    requeued = [c for c in calls.read_text().splitlines() if c.startswith("requeue")]
+    assert proc.returncode != 0, out
+    assert took < guard.ENDING_CHECK_S, took  # within KillWait, before SIGKILL
+    if batch_host_alive:
+        assert requeued == [] and "[launch.slurm]" not in out, out
+    else:
+        assert requeued == ["requeue 1"], calls.read_text()
+        assert f"the batch host mn1 {ENDING_LINE} (State=MIXED): requeueing job 1" in out, out
