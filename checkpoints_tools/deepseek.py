@@ -15,6 +15,10 @@ tests/checkpoints_tools/test_deepseek_hf.py):
     (rope_utils: mla_rotary_interleaved=True de-interleaves before rotating), which is HF's
     rope_interleave=true (apply_rotary_pos_emb_interleave, and what the released weights hold):
     the RoPE rows are copied as they are. rope_interleave=false (halves) is refused on import.
+  - YaRN (rope_type yarn): factor, original_max_position_embeddings, beta_fast / beta_slow,
+    mscale / mscale_all_dim are Megatron-Core's MLA YaRN fields of the same meaning; the two
+    libraries agree on the frequencies and the softmax scale, and on the cos/sin factor where
+    `_same_yarn_factor` says.
   - HF's latent norms q_a_layernorm / kv_a_layernorm are built with eps 1e-6 whatever
     rms_norm_eps says; ours use norm_eps: both ways need norm_eps = 1e-6.
   - Router: sigmoid scores, e_score_correction_bias = Megatron-Core's router.expert_bias (added
@@ -185,6 +189,10 @@ def problems(model: ModelConfig) -> list[str]:
     if not shared or shared % experts:
         found.append(f"moe_shared_expert_hidden_size={shared} (DeepSeek-V3: n_shared_experts x "
                      f"moe_ffn_hidden_size={experts}, at least one)")
+    if model.yarn_scaling_factor is not None and not _same_yarn_factor(model.yarn_mscale, model.yarn_mscale_all_dim):
+        found.append(f"yarn_mscale={model.yarn_mscale:g} with yarn_mscale_all_dim={model.yarn_mscale_all_dim:g} "
+                     "(transformers derives YaRN's cos/sin factor from both only when both are non-zero, else from "
+                     "the factor alone: use both non-zero, e.g. DeepSeek-V3's 1 and 1, or 1 and 0)")
     if model.moe_router_num_groups and model.moe_router_topk // model.moe_router_group_topk != 2:
         found.append(f"moe_router_topk / moe_router_group_topk = {model.moe_router_topk}/"
                      f"{model.moe_router_group_topk} (transformers scores a group by its top 2 experts, "
@@ -192,8 +200,19 @@ def problems(model: ModelConfig) -> list[str]:
     return found
 
 
+def rope_parameters(model: ModelConfig) -> dict:
+    """transformers' rope_parameters (what vLLM reads too): plain, or YaRN with every value given
+    (no attention_factor: both sides derive it from factor, mscale and mscale_all_dim)."""
+    if model.yarn_scaling_factor is None:
+        return {"rope_type": "default", "rope_theta": model.rope_base}
+    return {"rope_type": "yarn", "rope_theta": model.rope_base, "factor": model.yarn_scaling_factor,
+            "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
+            "beta_fast": model.yarn_beta_fast, "beta_slow": model.yarn_beta_slow, "mscale": model.yarn_mscale,
+            "mscale_all_dim": model.yarn_mscale_all_dim}
+
+
 def to_hf_config(model: ModelConfig) -> dict:
-    """DeepseekV3Config's fields for this model (plain RoPE, rope_interleave=true, no MTP)."""
+    """DeepseekV3Config's fields for this model (rope_interleave=true, no MTP)."""
     experts = model.expert_ffn_hidden_size
     return {
         "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
@@ -210,8 +229,7 @@ def to_hf_config(model: ModelConfig) -> dict:
         # Megatron-Core renormalises sigmoid top-k scores when k > 1 only.
         "norm_topk_prob": model.moe_router_topk > 1,
         "hidden_act": "silu", "max_position_embeddings": model.max_seq_length, "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_base, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_base},
+        "rope_theta": model.rope_base, "rope_scaling": None, "rope_parameters": rope_parameters(model),
         "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0,
         "num_nextn_predict_layers": 0, "pretraining_tp": 1,
         # Not DeepseekV3Config fields, but what the released config.json says and vLLM reads: without
@@ -220,16 +238,50 @@ def to_hf_config(model: ModelConfig) -> dict:
     }
 
 
+def _same_yarn_factor(mscale: float, mscale_all_dim: float) -> bool:
+    """Whether transformers and Megatron-Core scale YaRN's cos/sin alike: Megatron-Core by
+    m(mscale) / m(mscale_all_dim) always (m(x) = 0.1 x ln f + 1), transformers so only when both
+    are non-zero and by m(1) otherwise; the softmax scale, m(mscale_all_dim)^2, agrees always."""
+    return (mscale > 0 and mscale_all_dim > 0) or (mscale == 1 and mscale_all_dim == 0)
+
+
+def _rope_fields(config: dict, read_float, bad: list[str]) -> dict:
+    """Our RoPE fields from rope_parameters (transformers 5) or the released files' rope_scaling;
+    what we cannot reproduce goes to `bad`."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if kind == "default":
+        return dict(rope_base=float(theta))
+    if kind != "yarn":
+        bad.append(f"rope type {kind!r} (plain RoPE and YaRN only)")
+        return {}
+
+    def number(name: str, default: float) -> float:  # a null value means the default, as in transformers
+        return default if rope.get(name) is None else read_float(rope, name, default)
+
+    original = int(number("original_max_position_embeddings", 4096))
+    factor = number("factor", read_float(config, "max_position_embeddings", 4096) / original)
+    fields = dict(rope_base=float(theta), yarn_scaling_factor=factor, yarn_original_max_position_embeddings=original,
+                  yarn_beta_fast=number("beta_fast", 32.0), yarn_beta_slow=number("beta_slow", 1.0),
+                  yarn_mscale_all_dim=number("mscale_all_dim", 0.0))
+    # No mscale: transformers scales cos/sin by m(1) = ours with mscale 1 when mscale_all_dim is 0,
+    # and with mscale_all_dim set by nothing we reproduce (refused below).
+    fields["yarn_mscale"] = number("mscale", 0.0 if fields["yarn_mscale_all_dim"] else 1.0)
+    if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        bad.append("YaRN with attention_factor or truncate=false (Megatron-Core derives the factor from mscale and "
+                   "mscale_all_dim and rounds the correction range)")
+    if not _same_yarn_factor(fields["yarn_mscale"], fields["yarn_mscale_all_dim"]):
+        bad.append(f"YaRN mscale={fields['yarn_mscale']:g} with mscale_all_dim={fields['yarn_mscale_all_dim']:g} "
+                   "(transformers then scales cos/sin by the factor alone, Megatron-Core by their ratio)")
+    return fields
+
+
 def model_fields(config: dict, read_int, read_float) -> dict:
     """Our ModelConfig fields for a DeepseekV3Config; ValueError names what we cannot reproduce.
     read_int / read_float: hf_format's typed readers of config.json fields."""
     bad = []
-    scaling = config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type")) or (config.get("rope_parameters") or {}).get(
-        "rope_type", "default")
-    if kind != "default":
-        bad.append(f"rope type {kind!r} (DeepSeek-V3's YaRN long-context RoPE is not implemented here; plain RoPE "
-                   "only)")
+    rope = _rope_fields(config, read_float, bad)
     if config.get("rope_interleave", True) is not True:
         bad.append("rope_interleave=false (Megatron-Core's MLA rotates interleaved pairs; import needs true)")
     if config.get("q_lora_rank") is None:
@@ -254,13 +306,12 @@ def model_fields(config: dict, read_int, read_float) -> dict:
         raise ValueError(f"config.json of {ARCHITECTURE} uses features we cannot reproduce: " + "; ".join(bad))
     experts = read_int(config, "moe_intermediate_size")
     scale = read_float(config, "routed_scaling_factor", 1.0)
-    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
     return dict(
         num_layers=layers, hidden_size=read_int(config, "hidden_size"),
         ffn_hidden_size=read_int(config, "intermediate_size"), num_attention_heads=read_int(config, "num_attention_heads"),
         vocab_size=read_int(config, "vocab_size"), max_seq_length=read_int(config, "max_position_embeddings", 4096),
         norm_eps=HF_LATENT_NORM_EPS, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_base=float(theta), init_std=read_float(config, "initializer_range", 0.02),
+        init_std=read_float(config, "initializer_range", 0.02), **rope,
         multi_latent_attention=True, q_lora_rank=read_int(config, "q_lora_rank", None),
         kv_lora_rank=read_int(config, "kv_lora_rank"), qk_head_dim=read_int(config, "qk_nope_head_dim"),
         qk_pos_emb_head_dim=read_int(config, "qk_rope_head_dim"), v_head_dim=read_int(config, "v_head_dim"),

@@ -156,7 +156,16 @@ def verify(checkpoint: Path, hf_dir: Path, *, tolerance: float = 1e-4, min_agree
     tokens = make_tokens(Path(hf_dir), model.vocab_size, text=text, batch=batch, seq=seq, seed=seed)
     _check_length(tokens, model.max_seq_length)
     theirs = hf_logits(Path(hf_dir), tokens)
-    ours = model_logits(checkpoint, tokens, seed=seed)
+    started = not torch.distributed.is_initialized()
+    try:
+        ours = model_logits(checkpoint, tokens, seed=seed)
+    finally:
+        if started:
+            # The process group is ours: a caller that goes on in this process (a test, a
+            # notebook) would otherwise find one rank's group where it starts its own.
+            from pretrain.runtime import shutdown
+
+            shutdown(barrier=False)
     report = compare(ours, theirs, model.vocab_size)
     report.update(tolerance=tolerance, min_agreement=min_agreement,
                   passed=report["max_abs_diff"] <= tolerance and report["greedy_agreement"] >= min_agreement)

@@ -189,13 +189,20 @@ def _mup_kwargs(model: ModelConfig) -> dict:
 
 
 def _mla_kwargs(model: ModelConfig) -> dict:
-    """MLATransformerConfig's own fields. Its rope_type defaults to YaRN (factor 40); we run
-    plain RoPE at rope_base, and a scaling factor of 1 keeps YaRN's mscale out of the softmax
-    scale (MultiLatentAttention multiplies it by mscale^2 whatever the rope type)."""
+    """MLATransformerConfig's own fields. Its rope_type defaults to YaRN (factor 40); without
+    yarn_scaling_factor we run plain RoPE at rope_base, and a scaling factor of 1 keeps YaRN's
+    mscale out of the softmax scale (MultiLatentAttention multiplies it by mscale^2 whatever
+    the rope type)."""
+    rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale_all_dim=0.0)
+    if model.yarn_scaling_factor is not None:
+        rope = dict(rope_type="yarn", rotary_scaling_factor=model.yarn_scaling_factor,
+                    original_max_position_embeddings=model.yarn_original_max_position_embeddings,
+                    beta_fast=model.yarn_beta_fast, beta_slow=model.yarn_beta_slow, mscale=model.yarn_mscale,
+                    mscale_all_dim=model.yarn_mscale_all_dim)
     return dict(
         q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
         qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
-        rope_type="rope", rotary_base=model.rope_base, rotary_scaling_factor=1.0, mscale_all_dim=0.0,
+        rotary_base=model.rope_base, **rope,
     )
 
 

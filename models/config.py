@@ -68,7 +68,7 @@ class ModelConfig(BaseModel):
     # (RMSNorm) -> heads x (qk_head_dim + v_head_dim), plus one RoPE key of qk_pos_emb_head_dim
     # shared by all heads. Softmax scale 1/sqrt(qk_head_dim + qk_pos_emb_head_dim). The latent
     # norms are always on (qk_layernorm is the per-head q/k norm of Qwen3: refused with MLA).
-    # RoPE is plain (rope_base); DeepSeek-V3's YaRN long-context extension is not covered yet.
+    # RoPE is plain (rope_base) unless yarn_scaling_factor is set (below).
     multi_latent_attention: bool = False
     # MLA's query latent width (DeepSeek-V3: 1536); None = queries projected from h directly.
     q_lora_rank: Optional[int] = Field(default=None, gt=0)
@@ -80,6 +80,19 @@ class ModelConfig(BaseModel):
     qk_pos_emb_head_dim: Optional[int] = Field(default=None, gt=0)
     # MLA's per-head value channels (DeepSeek-V3: 128).
     v_head_dim: Optional[int] = Field(default=None, gt=0)
+    # YaRN RoPE for MLA (HF rope_type "yarn"; Megatron-Core's MLATransformerConfig rope_type="yarn",
+    # its rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale,
+    # mscale_all_dim): RoPE frequencies of wavelengths past original / beta_slow are divided by
+    # the factor, those within original / beta_fast kept, a linear ramp between; cos/sin scaled
+    # by (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1), the softmax scale by
+    # (0.1 mscale_all_dim ln f + 1)^2. None = plain RoPE. DeepSeek-V3's released long-context
+    # model: factor 40, original 4096, 32, 1, mscale 1, mscale_all_dim 1 (these defaults).
+    yarn_scaling_factor: Optional[float] = Field(default=None, gt=1)
+    yarn_original_max_position_embeddings: int = Field(default=4096, gt=0)
+    yarn_beta_fast: float = Field(default=32.0, gt=0)
+    yarn_beta_slow: float = Field(default=1.0, gt=0)
+    yarn_mscale: float = Field(default=1.0, ge=0)
+    yarn_mscale_all_dim: float = Field(default=1.0, ge=0)
 
     # muP (maximal update parametrization) on Megatron-Core's own: TransformerConfig's use_mup,
     # mup_* (same names, same defaults; transformer_config.py) and Megatron-Core's optimizer rule
@@ -258,10 +271,13 @@ class ModelConfig(BaseModel):
         mla = {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank, "qk_head_dim": self.qk_head_dim,
                "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim, "v_head_dim": self.v_head_dim}
         if not self.multi_latent_attention:
-            stray = [k for k, v in mla.items() if v is not None]
+            stray = [k for k, v in {**mla, "yarn_scaling_factor": self.yarn_scaling_factor}.items() if v is not None]
             if stray:
                 raise ValueError(f"{', '.join(stray)} need(s) multi_latent_attention=true; set it, or remove them")
             return
+        if self.yarn_scaling_factor is not None and self.yarn_beta_slow >= self.yarn_beta_fast:
+            raise ValueError(f"yarn_beta_slow={self.yarn_beta_slow:g} must be below yarn_beta_fast={self.yarn_beta_fast:g} "
+                             "(DeepSeek-V3: 1 and 32)")
         missing = [k for k, v in mla.items() if v is None and k != "q_lora_rank"]
         if missing:
             raise ValueError(f"multi_latent_attention=true needs {', '.join(missing)} (DeepSeek-V3: kv_lora_rank=512, "
@@ -277,7 +293,7 @@ class ModelConfig(BaseModel):
             # always-on latent norms, no biases (Megatron-Core's MLASelfAttention), and RoPE of its own.
             raise ValueError(f"multi_latent_attention=true does not combine with {bad[0]}; remove it (MLA's head "
                              "sizes are qk_head_dim / qk_pos_emb_head_dim / v_head_dim, its latent norms are "
-                             "always on, it has no biases and its own plain RoPE)")
+                             "always on, it has no biases and its own RoPE, plain or YaRN: yarn_scaling_factor)")
         if self.qk_pos_emb_head_dim % 2:
             raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs "
                              "of channels)")
@@ -429,9 +445,9 @@ _TINY_QWEN3_MOE = _TINY_QWEN3.model_copy(update=dict(
 # groups (4 chosen), sigmoid scores with the aux-loss-free bias, routed_scaling_factor 2.5; the
 # first 3 layers dense (first_k_dense_replace) with intermediate 18432; vocab 129280, rms eps
 # 1e-6, untied; num_nextn_predict_layers 1: one multi-token prediction layer, a MoE layer like the
-# last, training only). Not modelled yet: YaRN (the released model's rope_scaling: factor 40, 128K
-# context; transformers' default is plain RoPE at 4096), and the sequence-wise balance loss
-# (alpha 1e-4): moe_aux_loss_coeff is 0.
+# last, training only). Pretraining RoPE is plain at 4096, transformers' default; the released
+# model's 128K context is YaRN (yarn_scaling_factor=40, the other yarn_* defaults). Not modelled
+# yet: the sequence-wise balance loss (alpha 1e-4): moe_aux_loss_coeff is 0.
 _DEEPSEEK_V3 = ModelConfig(
     num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
     vocab_size=129280, max_seq_length=4096, norm_eps=1e-6, rope_base=10000.0,

@@ -35,15 +35,20 @@ Multi-latent attention: upstream builds no table in GPTModel (each MLA layer mak
 0..s-1), so the slot carries a table at MLA's RoPE head size to models.mla's
 PositionedMLASelfAttention (portable spec).
 
-Multi-token prediction (one MTP layer): its layer-1 prediction at position i reads tokens i
-and i+1 and predicts token i+2, across document boundaries as Megatron-Core shifts the whole
-sample; `mtp_document_loss_mask` drops, per document, the predictions at its last two tokens
-(the target lies in the next document), from `label_document_ids` (pretrain.data's collate).
-The MTP layer's attention gets the same document mask and RoPE table as the decoder's.
+Multi-token prediction (mtp_num_layers = k >= 1): MTP depth d's prediction at position i
+joins token i's state with the embeddings of tokens i+1..i+d and predicts token i+d+1, across
+document boundaries as Megatron-Core shifts the whole sample. `mtp_depth_loss_masks` gives
+each depth its own loss mask from `label_document_ids` (pretrain.data's collate): depth d drops,
+per document, the predictions at its last d+1 tokens (the target lies in the next document).
+Megatron-Core rolls one mask for every depth, which cannot express two depths' masks, so the
+masks reach its MTP loss through pretrain/megatron_fixes/mtp.py. Every MTP layer's attention
+gets the same document mask and RoPE table as the decoder's (MultiTokenPredictionBlock hands
+each depth the decoder's attention_mask and rotary_pos_emb; position i keeps token i's position).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -65,6 +70,8 @@ def rope_at_positions(rotary: torch.nn.Module, position_ids: Tensor) -> Tensor:
     Llama-3 scaled `inv_freq` included) for 0..max(position), gathered per token; the
     unfused `apply_rotary_pos_emb` broadcasts [s, b, 1, d] over the heads."""
     table = rotary.get_emb(int(position_ids.max()) + 1)  # [P, 1, 1, d]
+    if isinstance(table, tuple):  # YaRN: (angles, cos/sin factor); MLA's own RoPE module applies the factor
+        table = table[0]
     return table[:, 0][position_ids.t().to(table.device)]  # [s, b, 1, d]
 
 
@@ -110,32 +117,44 @@ def packed_sequence_params(document_ids: Tensor) -> PackedSeqParams:
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
-def mtp_document_loss_mask(document_ids: Tensor, label_document_ids: Tensor) -> Tensor:
-    """The `loss_mask` [b, s] to hand GPTModel so that one MTP layer counts only predictions
-    inside one document.
+@dataclass(frozen=True)
+class MTPDepthMasks:
+    """The `loss_mask` DocumentGPTModel hands GPTModel for document-masked MTP: one mask per depth,
+    read by pretrain/megatron_fixes/mtp.py (upstream's process_mtp_loss takes one mask and would
+    fail on this object, not mask wrongly)."""
 
-    MTP layer 1 at position i joins the main model's hidden state at token i with the embedding
-    of token i+1 and predicts token i+2 (labels[i+1]). It must count only when tokens i, i+1 and
-    i+2 lie in one document: document_ids[i] == label_document_ids[i+1] (the document of
-    labels[j], i.e. of token j+1, is label_document_ids[j]; documents only grow along a sample,
-    so equal ends mean one document throughout). So it drops, per document, the predictions at
-    its last two tokens (the EOD, and the token before it): their target lies in the next one.
-    Megatron-Core's `process_mtp_loss` (0.19.2) rolls `loss_mask` left by one per MTP layer
-    before applying it (position i reads mask[i + 1]; the last position gets 0), so the mask
-    we pass holds at j the verdict for position j-1. One roll per depth cannot express depth
-    2 (it would need tokens i..i+3), hence mtp_num_layers=1. The mask reaches only MTP's loss:
-    GPTModel's main loss ignores it (pretrain.step masks the main loss itself).
+    masks: Tensor  # [depths, b, s] float: masks[d - 1][:, i] counts depth d's prediction at position i
+    num_tokens: Tensor  # the micro-batch's token count, MTP's per-token weight numerator (upstream: mask sum)
 
-    mask[:, 0] is never a verdict (rolled out), but its sum is read: with per-token loss (ours)
-    process_mtp_loss weighs the MTP loss by `loss_mask.sum()` before the roll (the micro-batch's
-    token count) over the count after it. Without a mask that count is b x s; mask[:, 0] holds
-    1 + the sample's dropped positions so the sum stays s per sample and MTP's weight in the
-    gradient is that of a run without documents (the MTP loss itself is the mean over the
-    counted predictions either way)."""
-    mask = torch.ones(document_ids.shape, dtype=torch.float32, device=document_ids.device)
-    mask[:, 1:] = (document_ids[:, :-1] == label_document_ids[:, 1:]).float()
-    mask[:, 0] = 1 + (mask[:, 1:] == 0).sum(-1)
-    return mask
+
+def mtp_depth_loss_masks(document_ids: Tensor, label_document_ids: Tensor, depths: int,
+                         loss_mask: Optional[Tensor] = None) -> MTPDepthMasks:
+    """Per-depth MTP loss masks that count only predictions inside one document.
+
+    Depth d (1-based) at position i predicts token i+d+1 = labels[i+d] (Megatron-Core rolls the
+    labels left once per depth). It counts when that token lies in the document of token i:
+    document_ids[i] == label_document_ids[i+d] (the document of labels[j], i.e. of token j+1, is
+    label_document_ids[j]; documents only grow along a sample, so the tokens between lie in it
+    too), times the given `loss_mask` of that label (loss_mask[i+d], as upstream's roll applies
+    it). Positions i >= s-d have no label and count 0 (upstream's roll fills them with 0). So each
+    document loses the predictions at its last d+1 tokens at depth d. Depth 1 is the rolled
+    single mask used for mtp_num_layers=1 before (bit for bit).
+
+    `num_tokens`: b x s without `loss_mask`, else its sum: with per-token loss upstream weighs
+    each depth by the unrolled mask's sum over the depth's count, the micro-batch's token count
+    (the single mask before kept that sum at b x s through its first column; with a given
+    loss_mask it was that mask times the document mask, summed). The masks reach only MTP's loss:
+    GPTModel's main loss ignores loss_mask, and training passes none (pretrain.step masks the main
+    loss itself)."""
+    b, s = document_ids.shape
+    masks = torch.zeros((depths, b, s), dtype=torch.float32, device=document_ids.device)
+    for depth in range(1, depths + 1):
+        keep = (document_ids[:, :s - depth] == label_document_ids[:, depth:]).float()
+        if loss_mask is not None:
+            keep = keep * loss_mask[:, depth:]
+        masks[depth - 1, :, :s - depth] = keep
+    counted = torch.ones_like(masks[0]) if loss_mask is None else loss_mask.float()
+    return MTPDepthMasks(masks=masks, num_tokens=counted.sum())
 
 
 class DocumentGPTModel(GPTModel):
@@ -164,12 +183,12 @@ class DocumentGPTModel(GPTModel):
             raise ValueError("document_ids replace attention_mask and packed_seq_params; pass them by "
                              "keyword (labels=...) and not together")
         if self.config.mtp_num_layers:
-            if self.packed or self.config.mtp_num_layers != 1 or label_document_ids is None:
-                raise ValueError("document masking with MTP needs the portable spec, mtp_num_layers=1 and "
-                                 "label_document_ids (pretrain.data's collate makes them)")
-            mtp_mask = mtp_document_loss_mask(document_ids, label_document_ids)
-            given = kwargs.get("loss_mask")
-            kwargs["loss_mask"] = mtp_mask if given is None else given * mtp_mask
+            if self.packed or label_document_ids is None:
+                raise ValueError("document masking with MTP needs the portable spec and label_document_ids "
+                                 "(pretrain.data's collate makes them)")
+            _check_depth_masks_taken()
+            kwargs["loss_mask"] = mtp_depth_loss_masks(document_ids, label_document_ids, self.config.mtp_num_layers,
+                                                       kwargs.get("loss_mask"))
         if self.packed:
             return self._packed_forward(input_ids, position_ids, document_ids, **kwargs)
         cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
@@ -224,3 +243,14 @@ def _check_rotary_slot(out, position_ids: Tensor) -> None:
             "models/documents.py: GPTModel._preprocess no longer returns the RoPE table [s, 1, 1, d] as its "
             f"second item (got {type(table).__name__} {getattr(table, 'shape', '')}); reset_position_ids was "
             "written for megatron-core 0.16.1-0.19.2: re-check DocumentGPTModel._preprocess against the new upstream")
+
+
+def _check_depth_masks_taken() -> None:
+    """Per-depth MTP masks need pretrain.megatron_fixes.mtp (models/ cannot import pretrain;
+    pretrain.runtime.init_distributed applies the fixes). Without it upstream would fail on the
+    MTPDepthMasks object: say why instead."""
+    from megatron.core.models.gpt import gpt_model
+
+    if not getattr(gpt_model.process_mtp_loss, "takes_depth_masks", False):
+        raise RuntimeError("document masking with MTP needs pretrain.megatron_fixes.apply() first (per-depth MTP "
+                           "loss masks: pretrain/megatron_fixes/mtp.py); pretrain.runtime.init_distributed calls it")

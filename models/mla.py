@@ -43,13 +43,14 @@ and asserts that no `rotary_pos_emb` is passed in; so packed documents never res
 RoPE. `PositionedMLASelfAttention` accepts the `rotary_pos_emb` slot that TransformerLayer
 hands every attention: when models.documents.DocumentGPTModel puts there the table at the
 batch's position ids ([s, b, 1, qk_pos_emb_head_dim], built by `mla_rotary` below with
-upstream's own `get_emb`), the layer's RoPE module returns that table instead of 0..s-1 for
-this call, and upstream applies it to q and to the shared RoPE key unchanged (its unfused
-`apply_rotary_pos_emb` broadcasts [s, b, 1, d] over the heads). Without a table (every run
-without reset_position_ids) the slot is None and the forward is upstream's, bit for bit. A
-tensor in the slot (not a flag on the module) survives activation recompute, which re-runs
-the layer with its arguments. Only `rope_type="rope"` (YaRN is not offered here) and CP 1;
-a guard fails at construction if upstream's MLA RoPE is no longer the one `mla_rotary` builds.
+upstream's own `get_emb`), the layer's RoPE module (upstream's, wrapped) returns that table
+instead of 0..s-1 for this call, with YaRN also upstream's cos/sin factor, and upstream applies
+them to q and to the shared RoPE key unchanged (its unfused `apply_rotary_pos_emb` broadcasts
+[s, b, 1, d] over the heads). Without a table (every run without reset_position_ids) the slot
+is None and the forward is upstream's, bit for bit. A tensor in the slot (not a flag on the
+module) survives activation recompute, which re-runs the layer with its arguments. Plain RoPE
+and YaRN, CP 1, unfused RoPE; a guard fails at construction if upstream's MLA RoPE is no
+longer the one `mla_rotary` builds.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from typing import Optional
 import torch
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -140,20 +142,48 @@ class LatentNorm(PortableNorm):
 
 
 def mla_rotary(config: TransformerConfig) -> RotaryEmbedding:
-    """The RoPE module MLASelfAttention builds for `rope_type="rope"` (0.19.2's arguments)."""
+    """The RoPE module MLASelfAttention builds for its rope_type (0.19.2's arguments): its
+    `get_emb` gives the angles (and YaRN's cos/sin factor) that `rope_at_positions` gathers."""
+    if config.rope_type == "yarn":
+        return YarnRotaryEmbedding(
+            config.qk_pos_emb_head_dim, rotary_base=config.rotary_base, scaling_factor=config.rotary_scaling_factor,
+            original_max_position_embeddings=config.original_max_position_embeddings, beta_fast=config.beta_fast,
+            beta_slow=config.beta_slow, mscale=config.mscale, mscale_all_dim=config.mscale_all_dim)
     return RotaryEmbedding(config.qk_pos_emb_head_dim, rotary_percent=config.rotary_percent,
                            rotary_base=config.rotary_base)
 
 
-class _GivenTableRotary(RotaryEmbedding):
-    """MLA's RotaryEmbedding that returns `table` (RoPE at per-token positions) while one is set."""
+def _yarn_factor(rotary: YarnRotaryEmbedding) -> float:
+    """YaRN's cos/sin factor, the second item of upstream's forward (constant in the length)."""
+    return rotary(1)[1]
+
+
+class _GivenTableRotary(torch.nn.Module):
+    """Upstream's MLA RoPE module (`inner`, plain or YaRN), returning `table` (RoPE at per-token
+    positions) instead of its 0..s-1 table while one is set; with YaRN, with upstream's own
+    cos/sin factor, as its forward returns them."""
 
     table: Optional[torch.Tensor] = None
 
+    def __init__(self, inner: RotaryEmbedding):
+        super().__init__()
+        self.inner = inner  # no parameters, and YaRN's cos/sin caches are not persistent: same checkpoints
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def get_cached_cos_sin(self, *args, **kwargs):
+        if self.table is not None:  # the fused path reads upstream's 0..s-1 cache: wrong positions
+            raise RuntimeError("reset_position_ids with MLA's fused YaRN RoPE is not supported; set "
+                               "runtime.fused_rope=false")
+        return self.inner.get_cached_cos_sin(*args, **kwargs)
+
     def forward(self, max_seq_len: int, *args, **kwargs):
-        if self.table is not None:
-            return self.table
-        return super().forward(max_seq_len, *args, **kwargs)
+        if self.table is None:
+            return self.inner(max_seq_len, *args, **kwargs)
+        if isinstance(self.inner, YarnRotaryEmbedding):
+            return self.table, _yarn_factor(self.inner)
+        return self.table
 
 
 class PositionedMLASelfAttention(MLASelfAttention):
@@ -162,14 +192,16 @@ class PositionedMLASelfAttention(MLASelfAttention):
     def __init__(self, config: TransformerConfig, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         upstream, ours = self.rotary_pos_emb, mla_rotary(config)
-        if (type(upstream) is not RotaryEmbedding or config.rope_type != "rope"
-                or not torch.equal(upstream.inv_freq.cpu(), ours.inv_freq.cpu())):
+        expected = YarnRotaryEmbedding if config.rope_type == "yarn" else RotaryEmbedding
+        same = type(upstream) is expected and all(
+            torch.equal(getattr(upstream, name).cpu(), getattr(ours, name).cpu())
+            for name in (("inv_freq_extra", "inv_freq_inter") if expected is YarnRotaryEmbedding else ("inv_freq",)))
+        if not same or (expected is YarnRotaryEmbedding and _yarn_factor(upstream) != _yarn_factor(ours)):
             raise RuntimeError(
-                "models/mla.py: MLASelfAttention's RoPE is no longer the RotaryEmbedding that models.mla.mla_rotary "
+                "models/mla.py: MLASelfAttention's RoPE is no longer the module that models.mla.mla_rotary "
                 f"builds (got {type(upstream).__name__}, rope_type={config.rope_type}); PositionedMLASelfAttention "
                 "was written for megatron-core 0.19.2: re-check it against the new upstream")
-        self.rotary_pos_emb = _GivenTableRotary(config.qk_pos_emb_head_dim, rotary_percent=config.rotary_percent,
-                                                rotary_base=config.rotary_base, cp_group=self.pg_collection.cp)
+        self.rotary_pos_emb = _GivenTableRotary(upstream)
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
         if rotary_pos_emb is None:

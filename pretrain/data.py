@@ -92,7 +92,7 @@ def _collate(samples: list[dict], eod: Optional[int]) -> dict:
     if eod is not None:
         batch["document_ids"] = document_ids(batch["tokens"], eod)
         # The document of each label (token i+1): MTP's cross-document predictions are dropped with it
-        # (models.documents.mtp_document_loss_mask).
+        # (models.documents.mtp_depth_loss_masks).
         batch["label_document_ids"] = batch["document_ids"] + (batch["tokens"] == eod).to(torch.int32)
     return batch
 

@@ -26,7 +26,7 @@ from launch.planner.candidate import Candidate
 from launch.planner import muon as _muon
 from launch.planner.fsdp_buckets import fsdp_held_elements
 from launch.planner.fsdp_buckets import sharding_buffer_bytes as _fsdp_sharding_buffer_bytes
-from launch.planner.layers import mixed_layers, moe_layers_on_stage, stage_layer_kinds  # noqa: F401 (re-exported)
+from launch.planner.layers import mixed_layers, stage_layer_kinds
 from models.config import ModelConfig
 from models.flops import (embedding_params, layer_params, mlp_params, mtp_layer_is_moe, norm_params, output_params,
                           qk_norm_params)

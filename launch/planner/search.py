@@ -24,7 +24,7 @@ from launch.planner.throughput import StepEstimate, ThroughputOptions, estimate_
 from models.config import divisors
 from models.layout import ZERO_STAGES, LayoutError, ParallelLayout, pipeline_split, validate_layout
 from models.runtime import RECOMPUTE_CHOICES
-from pretrain.config import ConfigError, ExperimentConfig, check_document_masking, validate_for_world
+from pretrain.config import ConfigError, ExperimentConfig, check_document_masking, validate_beyond_layout
 
 
 class PlanError(ValueError):
@@ -231,7 +231,8 @@ def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, s
                     # validate_for_world checks the layout first, and the layout's verdict does not
                     # depend on the batch, recompute or offload: asked once per sharding, it skips
                     # building and validating the configs it refuses anyway (ZeRO-2/3 at PP > 1
-                    # were 408k of deepseek-v3's 540k combinations on 1024 GPUs), same messages.
+                    # were 408k of deepseek-v3's 540k combinations on 1024 GPUs), same messages;
+                    # the layouts it passes get only the checks after the layout's.
                     if (zero, replicas) not in layout_errors:
                         layout_errors[zero, replicas] = _layout_error(cand)
                     if layout_errors[zero, replicas] is not None:
@@ -241,7 +242,7 @@ def enumerate_candidates(config: ExperimentConfig, world: int, device: Device, s
                         continue
                     try:
                         chosen = cand.apply_to(config)
-                        validate_for_world(chosen, world)
+                        validate_beyond_layout(chosen, world)
                         # What the spec the plan assumes (te with flash attention) can mask.
                         check_document_masking(chosen, "te" if cand.flash_attention else "portable")
                     except ConfigError as exc:

@@ -29,8 +29,8 @@ from launch.planner.candidate import Candidate
 from launch.planner.devices import Device
 from launch.planner import muon as _muon
 from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
-from launch.planner.memory import (edge_stages, host_bytes, mixed_layers, moe_layers_on_stage, params_on_rank,
-                                   stage_layer_kinds)
+from launch.planner.layers import mixed_layers, moe_layers_on_stage, stage_layer_kinds
+from launch.planner.memory import edge_stages, host_bytes, params_on_rank
 from models.flops import forward_flops_per_token, mtp_layer_is_moe, training_flops_per_step
 
 

@@ -36,6 +36,7 @@ from pretrain.config.validation import (
     check_document_masking,
     check_spec_support,
     validate_before_start,
+    validate_beyond_layout,
     validate_data,
     validate_for_machine,
     validate_for_world,
@@ -47,6 +48,6 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "ExperimentConfig", "LoggingConfig", "MuonConfig", "OptimizerConfig",
     "ProfileConfig", "RuntimeConfig", "ScheduleConfig", "TrackingConfig", "WatchdogConfig", "apply_overrides",
     "check_document_masking", "check_spec_support", "data_parallel_sharding", "demo_prefix", "dump_yaml", "microbatches",
-    "num_microbatches", "sample_counts", "validate_before_start", "validate_data", "validate_for_machine",
-    "validate_for_world", "validate_inputs", "validate_paths",
+    "num_microbatches", "sample_counts", "validate_before_start", "validate_beyond_layout", "validate_data",
+    "validate_for_machine", "validate_for_world", "validate_inputs", "validate_paths",
 ]

@@ -45,6 +45,13 @@ def validate_for_world(config: ExperimentConfig, world_size: int) -> None:
         validate_layout(config.model, config.parallel, world_size)
     except LayoutError as exc:
         raise ConfigError(str(exc)) from None
+    validate_beyond_layout(config, world_size)
+
+
+def validate_beyond_layout(config: ExperimentConfig, world_size: int) -> None:
+    """`validate_for_world`'s checks after the layout's own (`validate_layout`), for a caller
+    that has already validated the layout: the planner, which asks once per layout and not for
+    each of the batch, recompute and offload choices built on it."""
     layout, sched = config.parallel, config.schedule
     dp = layout.data_parallel(world_size)
     per_step = sched.micro_batch_size * dp
@@ -199,14 +206,13 @@ def _check_mtp(config: ExperimentConfig) -> None:
         return
     if data.reset_attention_mask or data.reset_position_ids:
         # MTP shifts the sequence by one token per layer across document boundaries; the portable
-        # spec drops the predictions that cross one (models.documents.mtp_document_loss_mask) from
-        # the document ids, which reset_attention_mask brings, and can express that for one layer
-        # only (Megatron-Core rolls one loss mask per depth). The te spec: check_document_masking.
-        if not data.reset_attention_mask or model.mtp_num_layers != 1:
+        # spec drops the predictions that cross one, per depth (models.documents.mtp_depth_loss_masks,
+        # through pretrain/megatron_fixes/mtp.py), from the document ids, which reset_attention_mask
+        # brings. The te spec: check_document_masking.
+        if not data.reset_attention_mask:
             raise ConfigError(
-                f"model.mtp_num_layers={model.mtp_num_layers} with document masking needs model.mtp_num_layers=1 "
-                "and data.reset_attention_mask=true (got reset_attention_mask="
-                f"{str(data.reset_attention_mask).lower()}); or set model.mtp_num_layers=0")
+                f"model.mtp_num_layers={model.mtp_num_layers} with document masking needs "
+                "data.reset_attention_mask=true (got reset_attention_mask=false); or set model.mtp_num_layers=0")
     if layout.context_parallel > 1:
         raise ConfigError(f"model.mtp_num_layers at context_parallel={layout.context_parallel} is not supported here "
                           "(untested); MTP runs with TP/SP, PP/VPP, EP and DP: set parallel.context_parallel=1")

@@ -29,6 +29,8 @@ start-up when upstream has changed the patched object:
   per-parameter override, which callers cannot extend).
 - `lion`: optimizer="lion" is Lion on every parameter with lion_beta1/lion_beta2 (upstream's
   registry entry put non-matrices on Adam and passed Adam's betas).
+- `mtp`: multi-token prediction's loss mask, one per depth (document masking with two or more
+  MTP layers; upstream rolls one mask for every depth).
 - `datasets`: the GPT dataset's cached loss mask, which kept the pad positions of the first
   sample a process served (so the loss depended on the DP layout with mock data).
 
@@ -72,14 +74,14 @@ def apply(*, cpu: bool | None = None) -> None:
     CUDA is absent. Call before building models or optimizers."""
     import torch
 
-    from pretrain.megatron_fixes import datasets, dist_checkpointing, import_cost, lion, muon, optimizer, quiet
+    from pretrain.megatron_fixes import datasets, dist_checkpointing, import_cost, lion, mtp, muon, optimizer, quiet
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     quiet_cpu_fallback_warnings()
     fixes = [("optimizer", optimizer.apply), ("dist_checkpointing", dist_checkpointing.apply),
              ("import_cost", import_cost.apply), ("datasets", datasets.apply), ("quiet", quiet.apply),
-             ("muon", muon.apply), ("lion", lion.apply)]
+             ("muon", muon.apply), ("lion", lion.apply), ("mtp", mtp.apply)]
     if cpu:
         from pretrain.megatron_fixes import cpu as cpu_fixes, fsdp
 
@@ -92,9 +94,9 @@ def apply(*, cpu: bool | None = None) -> None:
 
 def modules() -> tuple:
     """Every fix module, each with its `SOURCES` (the pinned upstream objects and digests)."""
-    from pretrain.megatron_fixes import cpu, datasets, dist_checkpointing, fsdp, import_cost, lion, muon, optimizer
+    from pretrain.megatron_fixes import cpu, datasets, dist_checkpointing, fsdp, import_cost, lion, mtp, muon, optimizer
 
-    return (cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets, muon, lion)
+    return (cpu, fsdp, optimizer, dist_checkpointing, import_cost, datasets, muon, lion, mtp)
 
 
 def applied() -> frozenset[str]:

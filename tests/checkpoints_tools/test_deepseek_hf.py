@@ -35,13 +35,13 @@ KINDS = {
 }
 
 
-def _save_hf(path, kind: str):
+def _save_hf(path, kind: str, rope: dict | None = None):
     torch.manual_seed(45 + list(KINDS).index(kind))
     config = transformers.DeepseekV3Config(
         vocab_size=4000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
         num_key_value_heads=4, n_routed_experts=8, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, max_position_embeddings=128, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, **KINDS[kind])
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 50000.0}, **KINDS[kind])
     model = transformers.DeepseekV3ForCausalLM(config)
     _randomize_norms(model)  # q_a / kv_a latent norms and the layer norms away from 1
     with torch.no_grad():
@@ -124,6 +124,47 @@ def test_hf_to_ours_to_hf_is_bit_identical(hf_models, tmp_path, kind):
         assert new.get(key) == old.get(key), key
 
 
+# YaRN as transformers' rope_parameters: DeepSeek-V3's released values (at a 32-token original
+# context, so the 64-token check reaches past it); mscale and mscale_all_dim apart; the factor alone
+# (transformers then scales cos/sin by m(1) and leaves the softmax scale).
+YARN_ROPES = {
+    "deepseek": {"factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                 "mscale": 1.0, "mscale_all_dim": 1.0},
+    "ratio": {"factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2, "mscale": 0.8,
+              "mscale_all_dim": 0.6},
+    "factor-only": {"factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("variant", list(YARN_ROPES))
+def test_yarn_import_computes_transformers_logits_and_round_trips(tmp_path, variant):
+    """A DeepseekV3ForCausalLM with YaRN RoPE imported runs Megatron-Core's YaRN (MLA rope_type
+    yarn) and computes transformers' logits at TP2 + SP; the same weights under plain RoPE give
+    other logits (YaRN is live in the check); exported back, the tensors are bitwise and
+    transformers computes the source's logits from the written rope_parameters."""
+    from tests.checkpoints_tools.workers import first, tokens
+
+    rope = {"rope_type": "yarn", "rope_theta": 50000.0, **YARN_ROPES[variant]}
+    src, plain = _save_hf(tmp_path / "hf", "stacked", rope), _save_hf(tmp_path / "plain", "stacked")
+    import_hf.import_hf(src, tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())["model"]
+    assert meta["yarn_scaling_factor"] == rope["factor"], meta
+    layout = {"tensor_parallel": 2, "sequence_parallel": True}
+    ours = torch.tensor(first(run_ranks(2, "tests.checkpoints_tools.workers:checkpoint_logits",
+                                        checkpoint=str(tmp_path / "ckpt"), layout=layout)))
+    theirs = _hf_logits(src, tokens(4000))
+    diff = (ours[..., :4000] - theirs).abs().max().item()
+    live = (_hf_logits(plain, tokens(4000)) - theirs).abs().max().item()
+    print(f"\nDeepSeek-V3 with YaRN ({variant}) at TP2+SP: max |logit difference| {diff:.1e} (plain RoPE: {live:.1e})")
+    assert diff <= 1e-4 and live > 1e-2, (diff, live)
+    export_hf.export_hf(tmp_path / "ckpt", tmp_path / "out")
+    before, after = tensors_of(src), tensors_of(tmp_path / "out")
+    assert sorted(before) == sorted(after) and all(torch.equal(after[n], t) for n, t in before.items())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    assert torch.equal(_hf_logits(tmp_path / "out", tokens(4000)), theirs)
+
+
 @pytest.mark.distributed
 def test_import_trains_one_step_exports_what_it_trained_and_round_trips(hf_models, tmp_path):
     """The latent model imported and trained one step at TP2+SP on real text: the step's loss is
@@ -148,7 +189,9 @@ def test_refusals(hf_models, tmp_path, capsys):
     config = json.loads((src / "config.json").read_text())
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-    for i, (extra, words) in enumerate([({"rope_parameters": yarn}, "YaRN"),
+    for i, (extra, words) in enumerate([({"rope_parameters": {**yarn, "mscale": 0.707, "mscale_all_dim": 0}},
+                                         "YaRN mscale=0.707 with mscale_all_dim=0"),
+                                        ({"rope_parameters": {**yarn, "attention_factor": 1.0}}, "attention_factor"),
                                         ({"rope_interleave": False}, "rope_interleave=false"),
                                         ({"topk_group": 1}, "num_experts_per_tok / topk_group = 4/1"),
                                         ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
@@ -163,6 +206,8 @@ def test_refusals(hf_models, tmp_path, capsys):
                           "moe_router_topk / moe_router_group_topk = 2/2"),
                          (tiny.model_copy(update={"norm_eps": 1e-5}), "norm_eps=1e-05"),
                          (tiny.model_copy(update={"q_lora_rank": None}), "q_lora_rank=None"),
+                         (tiny.model_copy(update={"yarn_scaling_factor": 4.0, "yarn_mscale": 0.5,
+                                                  "yarn_mscale_all_dim": 0.0}), "yarn_mscale=0.5"),
                          (tiny.model_copy(update={"moe_layer_freq": [1, 0, 1, 1]}), "moe_layer_freq=[1, 0, 1, 1]")]:
         with pytest.raises(ValueError, match="no DeepseekV3ForCausalLM equivalent") as error:
             hf_format.to_hf_config(model, architecture="DeepseekV3ForCausalLM", dtype=torch.float32, bos_id=None,
@@ -229,8 +274,9 @@ def test_verify_vllm_refuses_deepseek_on_the_cpu_build(hf_models, tmp_path, caps
 
 def test_deepseek_v3_flavor_exports_as_the_published_config():
     """Our deepseek-v3 flavor's config.json has the published shape: transformers' DeepseekV3Config
-    defaults (which document deepseek-ai/DeepSeek-V3's config.json) field by field, plain RoPE (YaRN
-    is not modelled: nothing to export), no MTP layer exported."""
+    defaults (which document deepseek-ai/DeepSeek-V3's config.json) field by field, plain RoPE (the
+    pretraining's), no MTP layer exported; with yarn_scaling_factor=40 the released long-context
+    model's rope_scaling (factor 40, original 4096, beta 32 / 1, mscale 1 / 1)."""
     ours = hf_format.to_hf_config(get_flavor("deepseek-v3"), architecture="DeepseekV3ForCausalLM",
                                   dtype=torch.bfloat16, bos_id=0, eos_id=1)
     published = transformers.DeepseekV3Config()
@@ -242,6 +288,11 @@ def test_deepseek_v3_flavor_exports_as_the_published_config():
     assert {f: ours[f] for f in fields} == {f: getattr(published, f) for f in fields}
     assert ours["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     assert ours["num_nextn_predict_layers"] == 0 and hf_format.serving_warnings(get_flavor("deepseek-v3")) == []
+    long = get_flavor("deepseek-v3").model_copy(update={"yarn_scaling_factor": 40.0})
+    rope = hf_format.to_hf_config(long, architecture="DeepseekV3ForCausalLM", dtype=torch.bfloat16, bos_id=0,
+                                  eos_id=1)["rope_parameters"]
+    assert rope == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def test_tiny_deepseek_as_shipped_trains_exports_and_verifies(tmp_path, capsys):

@@ -193,6 +193,32 @@ def test_verify_in_one_process_rendezvouses_in_memory(trained):
     assert result == {"store": "HashStore", "env": [], "shape": [2, 64, result["shape"][2]]}
 
 
+_LEAK_PROBE = """
+import json, sys
+import torch.distributed as dist
+from megatron.core import parallel_state
+from checkpoints_tools.verify import verify
+reports = [verify(sys.argv[1], sys.argv[2]) for _ in range(2)]
+print(json.dumps({"passed": [r["passed"] for r in reports], "group_left": dist.is_initialized(),
+                  "megatron_left": parallel_state.model_parallel_is_initialized()}))
+"""
+
+
+def test_verify_in_a_process_leaves_no_process_group(trained, tmp_path):
+    """verify called from Python (a notebook, a test) shuts down the one-rank group it started:
+    left behind, it made a later `init_process_group` in that process fail ("trying to
+    initialize the default process group twice") and broke two unrelated tests in one CI run."""
+    export_hf(trained["untied"].latest, tmp_path / "hf", tokenizer=SP_MODEL)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", _LEAK_PROBE, str(trained["untied"].latest), str(tmp_path / "hf")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "passed": [True, True], "group_left": False, "megatron_left": False}
+
+
 def test_gpt_exports_as_gpt2_and_logits_match(trained, tmp_path):
     """LayerNorm + GELU + learned positions + biases (tiny-gpt) -> GPT2LMHeadModel, trained at TP2 x PP2."""
     run = trained["vllm-gpt"]

@@ -15,7 +15,7 @@ from launch.planner.candidate import Candidate
 from launch.planner import muon
 from launch.planner.devices import get_device
 from launch.planner.fsdp_buckets import fsdp_buckets, layer_parameters
-from launch.planner.layers import mla_weights
+from launch.planner.layers import mla_weights, moe_layers_on_stage
 from launch.planner.memory import (
     dense_layer_params_on_rank,
     edge_stages,
@@ -23,7 +23,6 @@ from launch.planner.memory import (
     mla_activation_bytes,
     memory_on_stage,
     mla_replicated_params,
-    moe_layers_on_stage,
     params_on_rank,
     peak_memory,
 )

@@ -74,6 +74,10 @@ def test_mtp_flops_and_params_by_hand():
     (dict(qk_layernorm=True), "does not combine with qk_layernorm"),
     (dict(rope_scaling=True), "does not combine with rope_scaling"),
     (dict(qk_pos_emb_head_dim=3), "qk_pos_emb_head_dim=3 must be even"),
+    (dict(multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=None, qk_head_dim=None, qk_pos_emb_head_dim=None,
+          v_head_dim=None, yarn_scaling_factor=40.0), "yarn_scaling_factor need(s) multi_latent_attention=true"),
+    (dict(yarn_scaling_factor=4.0, yarn_beta_slow=32.0), "yarn_beta_slow=32 must be below yarn_beta_fast=32"),
+    (dict(yarn_scaling_factor=1.0), "greater than 1"),
     (dict(num_experts=8, moe_router_num_groups=4), "needs both moe_router_num_groups and moe_router_group_topk"),
     (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "moe_router_num_groups=3 does not "
                                                                              "divide num_experts=8"),

@@ -7,8 +7,9 @@
 A multi-rank test is trusted after it passed 20 times in a row; the pytest module recomputes
 its references every time, this computes them once. Each repetition trains tiny-deepseek 5 steps
 with document masking (reset_attention_mask + reset_position_ids, KJV verses as documents; one MTP
-layer where named) and checks what the test checks: per-step loss, MTP loss and grad norm within
-1e-5 relative, every final weight within 1e-5; a crash counts as a failure. Prints one line per
+layer where named "-mtp", two where "-mtp2") and checks what the test checks: per-step loss, MTP
+loss (each depth's too with two) and grad norm within 1e-5 relative, every final weight within
+1e-5; a crash counts as a failure. Prints one line per
 run and a table of failure counts.
 """
 

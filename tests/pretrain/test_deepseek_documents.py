@@ -13,9 +13,10 @@ Against independent references, fp32, one rank, the real Megatron-Core model (po
   documents run alone (1e-5), counting the same predictions: per document, every position but
   its last two (whose target, labels[i + 1], lies in the next document); without the document
   mask Megatron-Core's MTP would count those too and miss.
+Two and three MTP depths (a mask per depth): tests/pretrain/test_mtp_depth_masks.py.
 Layouts against one rank with masking on, on KJV verses as documents (tests.pretrain.workers.
-document_data), 5 steps: per-step loss (and MTP loss) and grad norm within 1e-5 relative, every
-final weight within 1e-5. `python -m tests.pretrain.repeat_deepseek_documents --times 20` repeats
+document_data), 5 steps: per-step loss (and MTP loss, per depth with two) and grad norm within
+1e-5 relative, every final weight within 1e-5; with one MTP layer, and with two at TP2+SP and PP2. `python -m tests.pretrain.repeat_deepseek_documents --times 20` repeats
 them.
 """
 
@@ -33,13 +34,18 @@ from tests.pretrain.test_document_mask import EOD, LENGTHS, _packed_sample
 pytestmark = [pytest.mark.distributed]
 
 
-def _build(reset_position_ids: bool, mtp_num_layers: int = 0):
+# YaRN at tiny size: frequencies past 16 / beta_slow positions divided by 4, m(0.8) / m(0.6) on cos/sin.
+YARN = dict(yarn_scaling_factor=4.0, yarn_original_max_position_embeddings=16, yarn_beta_fast=8.0, yarn_mscale=0.8,
+            yarn_mscale_all_dim=0.6)
+
+
+def _build(reset_position_ids: bool, mtp_num_layers: int = 0, yarn: bool = False):
     from models.build import build_model_chunks
     from models.config import get_flavor
     from models.layout import ParallelLayout
     from models.runtime import RuntimeOptions
 
-    model_config = get_flavor("tiny-deepseek").model_copy(update=dict(mtp_num_layers=mtp_num_layers))
+    model_config = get_flavor("tiny-deepseek").model_copy(update=dict(mtp_num_layers=mtp_num_layers, **(YARN if yarn else {})))
     (model,) = build_model_chunks(model_config, ParallelLayout(), RuntimeOptions(seed=0, spec="portable"),
                                   reset_position_ids=reset_position_ids)
     return model, model_config
@@ -53,9 +59,9 @@ def _relative(got, want, vocab: int | None = None) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def mla_logits_vs_alone() -> dict:
+def mla_logits_vs_alone(yarn: bool = False) -> dict:
     """Rank function: the packed sample's logits against each document alone; and a document at
-    gapped positions against the long sequence with hidden odd places."""
+    gapped positions against the long sequence with hidden odd places (`yarn`: YaRN RoPE)."""
     import torch
 
     from pretrain.data import _collate
@@ -64,8 +70,8 @@ def mla_logits_vs_alone() -> dict:
 
     init_distributed(ParallelLayout(), seed=0)
     try:
-        model, model_config = _build(reset_position_ids=True)
-        plain, _ = _build(reset_position_ids=False)  # same weights (layout-invariant init)
+        model, model_config = _build(reset_position_ids=True, yarn=yarn)
+        plain, _ = _build(reset_position_ids=False, yarn=yarn)  # same weights (layout-invariant init)
         batch = _collate([_packed_sample(model_config.vocab_size, reset=True)], EOD)
         with torch.no_grad():
             packed = model(batch["tokens"], batch["position_ids"], None, document_ids=batch["document_ids"])[0]
@@ -98,9 +104,12 @@ def mla_logits_vs_alone() -> dict:
         shutdown()
 
 
-def test_mla_packed_documents_give_each_documents_logits():
-    (result,) = run_ranks(1, "tests.pretrain.test_deepseek_documents:mla_logits_vs_alone")
-    print(f"\ntiny-deepseek logits: {result}")
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_mla_packed_documents_give_each_documents_logits(rope):
+    """Also with YaRN: its angles at the given positions, and its cos/sin factor, which upstream's
+    own module applies (models.mla._GivenTableRotary)."""
+    (result,) = run_ranks(1, "tests.pretrain.test_deepseek_documents:mla_logits_vs_alone", yarn=rope == "yarn")
+    print(f"\ntiny-deepseek logits ({rope} RoPE): {result}")
     assert result["shape"] == [sum(LENGTHS), 4096], result
     assert result["packed"] <= 1e-5, result
     assert result["gapped"] <= 1e-5, result
@@ -173,29 +182,6 @@ def test_mtp_loss_of_packed_documents_is_the_documents_alone():
     assert abs(result["unmasked"] - result["alone_mtp"]) > 5e-4 * result["alone_mtp"], result  # measured 1.0e-3
 
 
-def test_mtp_document_loss_mask_by_hand():
-    """Tokens a b EOD | c d e EOD | f: the verdict for MTP position i (tokens i, i+1 and target
-    i+2 in one document) sits at mask[i + 1], where Megatron-Core's roll reads it; mask[0]
-    keeps each sample's sum at s (the token count process_mtp_loss weighs MTP by)."""
-    import torch
-
-    from data_pipeline.datasets import document_ids
-    from models.documents import mtp_document_loss_mask
-    from pretrain.data import _collate
-
-    eod = 3
-    tokens = [10, 11, eod, 12, 13, 14, eod, 15]
-    sample = {"tokens": tokens, "labels": tokens[1:] + [16], "loss_mask": [1.0] * 8, "position_ids": list(range(8))}
-    batch = _collate([sample, sample], eod)
-    docs = document_ids(torch.tensor(tokens + [16]), eod).tolist()  # the documents of tokens 0..8
-    one_document = [docs[i] == docs[i + 2] for i in range(7)]  # positions 0..6; 7 is rolled out
-    assert one_document == [True, False, False, True, True, False, False]
-    mask = mtp_document_loss_mask(batch["document_ids"], batch["label_document_ids"])
-    assert mask.shape == (2, 8)
-    assert mask[:, 1:].tolist() == [[float(v) for v in one_document]] * 2
-    assert mask.sum(-1).tolist() == [8.0, 8.0]
-
-
 # --- layouts against one rank ---------------------------------------------------------------
 
 STEPS = 5
@@ -210,6 +196,7 @@ BASE = [
     "data.reset_attention_mask=true", "data.reset_position_ids=true",
 ]
 MTP = ["model.mtp_num_layers=1"]
+MTP2 = ["model.mtp_num_layers=2"]  # per-depth masks (tests/pretrain/test_mtp_depth_masks.py)
 TP2_SP = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {  # name -> (ranks, overrides, reference)
     "TP2-SP-docs": (2, TP2_SP, "ref"),
@@ -219,8 +206,10 @@ LAYOUTS = {  # name -> (ranks, overrides, reference)
     "EP2-docs-mtp": (2, ["parallel.expert_parallel=2"] + MTP, "ref-mtp"),
     # Whole layers recomputed in the backward: the RoPE table travels as a layer argument.
     "recompute-docs-mtp": (1, ["runtime.recompute=full"] + MTP, "ref-mtp"),
+    "TP2-SP-docs-mtp2": (2, TP2_SP + MTP2, "ref-mtp2"),
+    "PP2-docs-mtp2": (2, ["parallel.pipeline_parallel=2"] + MTP2, "ref-mtp2"),
 }
-REFERENCES = {"ref": [], "ref-mtp": MTP}
+REFERENCES = {"ref": [], "ref-mtp": MTP, "ref-mtp2": MTP2}
 OPTIMIZER_PREFIXES = ("optimizer.", "chained_")
 
 
@@ -232,6 +221,7 @@ def run_layout(root, tag: str, nproc: int, extra: list[str], data: list[str]) ->
     reader = CheckpointReader(root / tag / "ckpt" / f"step_{STEPS:08d}")
     weights = {k: reader.read(k) for k in reader.tensor_keys() if not k.startswith(OPTIMIZER_PREFIXES)}
     return {"loss": [r["loss"] for r in records], "mtp_loss": [r.get("mtp_loss") for r in records],
+            "mtp_loss_layers": [r.get("mtp_loss_layers") for r in records],
             "grad_norm": [r["grad_norm"] for r in records], "weights": weights}
 
 
@@ -242,6 +232,11 @@ def compare(got: dict, want: dict, what: str) -> str:
     if want["mtp_loss"][0] is not None:
         mtp = assert_steps_close(got["mtp_loss"], want["mtp_loss"], rtol=1e-5, what=f"{what} MTP loss")
         parts.append(f"MTP loss {mtp:.1e}")
+        depths = len(want["mtp_loss_layers"][0])
+        for d in range(depths) if depths > 1 else ():
+            worst_d = assert_steps_close([r[d] for r in got["mtp_loss_layers"]], [r[d] for r in want["mtp_loss_layers"]],
+                                         rtol=1e-5, what=f"{what} MTP depth {d + 1} loss")
+            parts.append(f"depth {d + 1} {worst_d:.1e}")
     assert sorted(got["weights"]) == sorted(want["weights"]), f"{what}: the checkpoints hold different tensors"
     worst, where = max(((got["weights"][k] - want["weights"][k]).abs().max().item(), k) for k in want["weights"])
     assert worst <= 1e-5, f"{what}: final weight {where} differs by {worst:.2e}"
@@ -257,7 +252,8 @@ def runs(module_tmp_factory) -> dict:
     refs = {tag: run_layout(root, tag, 1, extra, data) for tag, extra in REFERENCES.items()}
     for ref in refs.values():
         assert len(ref["loss"]) == STEPS and ref["loss"][-1] < ref["loss"][0], "the run must train"
-    assert refs["ref-mtp"]["mtp_loss"][-1] < refs["ref-mtp"]["mtp_loss"][0], "the MTP loss must fall"
+    for tag in ("ref-mtp", "ref-mtp2"):
+        assert refs[tag]["mtp_loss"][-1] < refs[tag]["mtp_loss"][0], f"{tag}: the MTP loss must fall"
     assert any(k.startswith("mtp.") for k in refs["ref-mtp"]["weights"])
     # The same run without the two resets: masking must change it (else the layouts prove nothing).
     unmasked = run_layout(root, "unmasked", 1, MTP + [f"{k}=false" for k in ("data.reset_attention_mask",
@@ -266,9 +262,10 @@ def runs(module_tmp_factory) -> dict:
     return {"root": root, "data": data, **refs}
 
 
-@pytest.mark.parametrize("name", ["TP2-SP-docs", "TP2-SP-docs-mtp", "recompute-docs-mtp",
+@pytest.mark.parametrize("name", ["TP2-SP-docs", "TP2-SP-docs-mtp", "recompute-docs-mtp", "PP2-docs-mtp2",
                                   *(pytest.param(name, marks=pytest.mark.slow)
-                                    for name in ("PP2-docs-mtp", "PP2xVPP2-docs-mtp", "EP2-docs-mtp"))])
+                                    for name in ("PP2-docs-mtp", "PP2xVPP2-docs-mtp", "EP2-docs-mtp",
+                                                 "TP2-SP-docs-mtp2"))])
 def test_deepseek_documents_layout_matches_one_rank(runs, name):
     nproc, extra, ref = LAYOUTS[name]
     got = run_layout(runs["root"], name, nproc, extra, runs["data"])
@@ -290,7 +287,7 @@ def test_a_doubled_mtp_gradient_shows(runs):
 
 @pytest.mark.parametrize("overrides, spec, message", [
     (["model.mtp_num_layers=1", "data.reset_position_ids=true"], "portable",
-     "and data.reset_attention_mask=true (got reset_attention_mask=false)"),
+     "needs data.reset_attention_mask=true (got reset_attention_mask=false)"),
     (["model.mtp_num_layers=1", "data.reset_attention_mask=true", "data.reset_position_ids=true"], "te",
      "model.mtp_num_layers with document masking on the te spec is untested here"),
 ])

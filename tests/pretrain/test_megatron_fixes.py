@@ -158,43 +158,43 @@ OWN_LINES = (
 )
 
 
-def test_a_single_rank_run_prints_no_library_warning(tmp_path):
-    """Issue 48: `python -m pretrain` as a user runs it (a fresh process, default warning
-    filters, tensorboard on, a save at the end) printed Megatron's cuda_graph deprecation, the
-    MIMO config's experimental note, a non-leaf `.grad` warning raised through our CPU fix, and
-    torch's reduce_scatter_tensor / all_gather_into_tensor deprecations. Any line that is not
-    one of ours fails, so a new library warning shows up here first. Then the same run resumed
-    for two more steps: a resume printed torch's checkpoint-loader warnings about Megatron's
-    calls (no_dist, the reader's argument order, ShardedTensor's deprecation)."""
+def _own_lines_only(module: str, args: list[str], tmp_path) -> dict[int, list[str]]:
+    """Run `python -m module` for 2 steps and then resumed to 4 (a fresh process each, as a
+    user runs it, default warning filters); fail on any output line that is not one of ours
+    (OWN_LINES). Returns each run's non-blank lines by its step count."""
     from tests.bad_input import run_cli
 
+    runs = {}
     for steps in (2, 4):
-        result = run_cli("pretrain", ["--recipe", "tiny-llama", f"schedule.train_steps={steps}",
-                                      f"logging.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}"],
+        result = run_cli(module, [*args, f"schedule.train_steps={steps}", f"logging.run_dir={tmp_path / 'run'}",
+                                  f"checkpoint.dir={tmp_path / 'ckpt'}"],
                          subprocess=True, env={"COLUMNS": "1000"})  # COLUMNS: rich does not wrap the encoder line
         assert result.code == 0, result.output
-        lines = [line for line in result.output.splitlines() if line.strip()]
-        assert any(line.startswith(f"step {steps}/{steps}") for line in lines), result.output
-        assert (steps == 4) == any(line.startswith("resumed from ") for line in lines), result.output
-        unexpected = [line for line in lines if not any(re.match(own, line) for own in OWN_LINES)]
+        runs[steps] = [line for line in result.output.splitlines() if line.strip()]
+        unexpected = [line for line in runs[steps] if not any(re.match(own, line) for own in OWN_LINES)]
         assert not unexpected, "\n".join(unexpected)
+    return runs
+
+
+def test_a_single_rank_run_prints_no_library_warning(tmp_path):
+    """Issue 48: `python -m pretrain` as a user runs it (tensorboard on, a save at the end)
+    printed Megatron's cuda_graph deprecation, the MIMO config's experimental note, a non-leaf
+    `.grad` warning raised through our CPU fix, and torch's reduce_scatter_tensor /
+    all_gather_into_tensor deprecations; its resume printed torch's checkpoint-loader warnings
+    about Megatron's calls (no_dist, the reader's argument order, ShardedTensor's deprecation).
+    A new library warning shows up here first."""
+    runs = _own_lines_only("pretrain", ["--recipe", "tiny-llama"], tmp_path)
+    for steps, lines in runs.items():
+        assert any(line.startswith(f"step {steps}/{steps}") for line in lines), lines
+        assert (steps == 4) == any(line.startswith("resumed from ") for line in lines), lines
 
 
 def test_a_two_rank_run_prints_no_library_warning(tmp_path):
     """Issue 48, at DP2 through launch.local: every save logged Megatron's "Rank 1 common state
     dict differs from rank 0 common state dict ... Keys only on 1: [('optimizer', 'param_state')]"
-    (the distributed optimizer's save state, None on DP rank 1: megatron_fixes.optimizer_save).
-    A save and a resume, and any line that is not one of ours fails."""
-    from tests.bad_input import run_cli
-
-    for steps in (2, 4):
-        result = run_cli("launch.local", ["--recipe", "tiny-llama", "--nproc", "2", f"schedule.train_steps={steps}",
-                                          "checkpoint.save_interval=2", f"logging.run_dir={tmp_path / 'run'}",
-                                          f"checkpoint.dir={tmp_path / 'ckpt'}"],
-                         subprocess=True, env={"COLUMNS": "1000"})
-        assert result.code == 0, result.output
-        lines = [line for line in result.output.splitlines() if line.strip()]
+    (the distributed optimizer's save state, None on DP rank 1: megatron_fixes.optimizer_save)."""
+    runs = _own_lines_only("launch.local", ["--recipe", "tiny-llama", "--nproc", "2", "checkpoint.save_interval=2"],
+                           tmp_path)
+    for steps, lines in runs.items():
         assert any(line.startswith(f"saved checkpoint {tmp_path / 'ckpt'}/step_0000000{steps}") for line in lines), \
-            result.output
-        unexpected = [line for line in lines if not any(re.match(own, line) for own in OWN_LINES)]
-        assert not unexpected, "\n".join(unexpected)
+            lines

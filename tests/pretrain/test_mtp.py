@@ -141,8 +141,8 @@ def test_reshard_keeps_mtp_layers(trained, tmp_path):
     (["model.mtp_loss_scaling_factor=0.3"], 1,
      "mtp_loss_scaling_factor is set but mtp_num_layers=0; set mtp_num_layers (DeepSeek-V3: 1) or remove it"),
     (["model.mtp_num_layers=-1"], 1, "model.mtp_num_layers"),
-    (["model.mtp_num_layers=2", "data.reset_attention_mask=true"], 1,
-     "model.mtp_num_layers=2 with document masking needs model.mtp_num_layers=1 and data.reset_attention_mask=true"),
+    (["model.mtp_num_layers=2", "data.reset_position_ids=true"], 1,
+     "model.mtp_num_layers=2 with document masking needs data.reset_attention_mask=true (got reset_attention_mask=false)"),
     (["model=tiny-llama", "model.mtp_num_layers=1", "parallel.context_parallel=2"], 2,
      "model.mtp_num_layers at context_parallel=2 is not supported here (untested); MTP runs with TP/SP, PP/VPP, "
      "EP and DP: set parallel.context_parallel=1"),

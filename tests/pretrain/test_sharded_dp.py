@@ -120,7 +120,9 @@ def _run(root, tag, recipe, nproc, extra, **kwargs) -> dict:
 
     data = document_data(root) if "data.mock=false" in extra else []
     run_ranks(nproc, "tests.pretrain.workers:train", recipe=recipe,
-              overrides=BASE + extra + data + [f"checkpoint.dir={root / tag / 'ckpt'}", f"logging.run_dir={root / tag}"],
+              overrides=BASE + extra + data + [f"checkpoint.dir={root / tag / 'ckpt'}", f"logging.run_dir={root / tag}",
+                                               # One index cache for the module's runs (38 MB each otherwise).
+                                               f"data.cache_dir={root / 'data_cache'}"],
               **kwargs)
     records = [json.loads(line) for line in (root / tag / "metrics.jsonl").read_text().splitlines()]
     return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
