@@ -37,9 +37,9 @@ PREFIX = "[launch.slurm]"
 # interval, up to ~SlurmdTimeout/3): the wait for that is SlurmdTimeout + this much.
 DOWN_MARGIN_S = 60
 POLL_S = 2.0
-# How often a survivor probes the batch host's slurmd while torchrun runs: one connection
-# per node per 30 s to one slurmd (a few per second with a hundred nodes).
-WATCH_S = 30.0
+# How often a survivor probes the rendezvous store while torchrun runs: one connection per
+# node per 10 s to the batch host's torchrun (10 per second with a hundred nodes).
+WATCH_S = 10.0
 # slurmstepd signals every process of the step (torchrun gets them itself): the guard
 # outlives them to see how torchrun ended, and forwards nothing (that would signal twice).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
@@ -49,6 +49,8 @@ ENDING = threading.Event()
 ENDING_WHY = "does not answer while Slurm ends this step"
 # How long the guard, signalled, gives the watcher's check after torchrun exited (within KillWait).
 ENDING_CHECK_S = 20.0
+# How long the watcher gives torchrun to exit after the store stopped answering.
+STORE_GRACE_S = 10.0
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -84,7 +86,8 @@ def scontrol(*args: str) -> str:
 def slurmd_answers(address: str, port: int, timeout: float = 5.0) -> bool:
     """True when something accepts a connection on the node's slurmd port: the node is up
     (a crashed node's port refuses or times out). Asked first, so a failure on a healthy
-    cluster is not held up for SlurmdTimeout."""
+    cluster is not held up for SlurmdTimeout. Only once a failure is seen: slurmd logs each
+    such empty connection as an error ("Zero Bytes were transmitted or received")."""
     try:
         with socket.create_connection((address, port), timeout=timeout):
             return True
@@ -148,7 +151,8 @@ def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -
     config = parse_config(scontrol("show", "config"))
     node = parse_fields(scontrol("show", "node", "--oneliner", host))
     if _alive(host, node, config):
-        return  # its batch script handles the failure
+        log(f"{PREFIX} {me}: the batch host {host} answers; its script handles this")
+        return
     if ENDING.is_set():
         _run(*act(job, host, node.get("State", "?"), ENDING_WHY), log)
         return
@@ -175,26 +179,29 @@ def _run(message: str, command: list[str], log: Callable[[str], None]) -> None:
         log(f"{PREFIX} {' '.join(command)} failed: {said}")
 
 
+def store_address(environ: dict[str, str]) -> Optional[tuple[str, int]]:
+    """The rendezvous store torchrun's c10d backend serves on the batch host (the script's
+    MASTER_ADDR:MASTER_PORT, which it passes as --rdzv-endpoint)."""
+    addr, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
+    return (addr, int(port)) if addr and port.isdigit() else None
+
+
 def watch_batch_host(job_id: str, me: str, running: Callable[[], bool], log: Callable[[str], None],
-                     every: float = WATCH_S) -> bool:
-    """While torchrun runs: probe the batch host's slurmd (a TCP connect, no load on
-    slurmctld) and, when it stops answering or the step is ENDING, do what check_batch_host
-    does. Why not only after torchrun exits: in 1 of 13 runs of
-    tests/launch/test_multinode_batch_host.py the survivors' workers failed ("Connection
-    closed by peer") but their torchruns never exited, and the job sat RUNNING with nothing
-    training; in 3 of 36 Slurm ended the step first. True when it checked."""
-    job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
-    host = job.get("BatchHost", "")
-    if not host or host == me:
-        return False
-    config = parse_config(scontrol("show", "config"))
-    node = parse_fields(scontrol("show", "node", "--oneliner", host))
-    port = (config.get("SlurmdPort") or "x").split()[0]
-    if not port.isdigit():
-        return False
+                     every: float = WATCH_S, store: Optional[tuple[str, int]] = None,
+                     grace: float = STORE_GRACE_S) -> bool:
+    """While torchrun runs: probe the rendezvous store on the batch host (a TCP connect, which
+    neither the store nor slurmctld logs or notices) and, when it stops answering while
+    torchrun still runs (after `grace`: at the end of a run the store goes first), or when the
+    step is ENDING, do what check_batch_host does. Why not only after torchrun exits: in 1 of
+    13 runs of tests/launch/test_multinode_batch_host.py the survivors' torchruns did not exit
+    after their workers failed. True when it checked."""
+    store = store if store is not None else store_address(dict(os.environ))
     while not ENDING.is_set() and running():
-        if not slurmd_answers(node.get("NodeAddr", host), int(port)):
-            break
+        if store is not None and not slurmd_answers(*store):
+            ENDING.wait(grace)
+            if ENDING.is_set() or running():
+                break
+            return False  # torchrun ended (the end of the run): main() checks its status
         ENDING.wait(every)
     else:
         if not ENDING.is_set():
@@ -209,8 +216,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not command:
         print("usage: python -m launch.launchers.elastic_guard -- TORCHRUN_COMMAND...", file=sys.stderr)
         return 2
+    received: list[int] = []
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, _frame: ENDING.set())
+        signal.signal(sig, lambda signum, _frame: (received.append(signum), ENDING.set()))
     child = subprocess.Popen(command)  # caught signals are reset to default by exec
     job_id = os.environ.get("SLURM_JOB_ID")
     me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
@@ -227,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
     if rc == 0 or not job_id:
         return rc
+    log(f"{PREFIX} {me}: torchrun exited with status {rc}"
+        + (f" after signal(s) {', '.join(signal.Signals(n).name for n in received)}" if received else ""))
     if ENDING.is_set():
         # Slurm or the user is ending the step (time limit, scancel, preemption, or a lost
         # batch host): the watcher checks the batch host at once (a live one means a stop).

@@ -306,9 +306,10 @@ def _elastic_env(spec: JobSpec) -> list[str]:
         "# (pytorch/pytorch#135712). A store of their own per group avoids it.",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         "# This node holds the store and runs this script: if it is lost, nothing is left to",
-        "# end the job. Each node's launch.launchers.elastic_guard then sees its torchrun fail,",
-        "# asks Slurm whether this node is down, and if so requeues the job (it resumes on the",
-        "# nodes left) or, with --no-requeue, cancels it; a line in the node's log says which.",
+        "# end the job. Each node's launch.launchers.elastic_guard then sees its torchrun fail",
+        "# (or this node's slurmd stop answering, or Slurm end the step), checks that this node",
+        "# is gone, and requeues the job (it resumes on the nodes left) or, with --no-requeue,",
+        "# cancels it; a line in the node's log says which.",
         "",
     ]
 

@@ -136,7 +136,7 @@ def test_nothing_is_done_when_the_batch_host_answers_or_is_this_node(monkeypatch
     lines: list[str] = []
     guard.check_batch_host("1", "mn2", log=lines.append)
     guard.check_batch_host("1", "mn1", log=lines.append)  # the batch host itself: its script sees srun end
-    assert ran == [] and lines == []
+    assert ran == [] and lines == ["[launch.slurm] mn2: the batch host mn1 answers; its script handles this"]
 
 
 def test_passes_torchruns_exit_status_through(monkeypatch):
@@ -170,13 +170,23 @@ def test_a_survivor_whose_torchrun_hangs_still_requeues(monkeypatch):
     """The watcher: the batch host's slurmd stops answering while torchrun still runs."""
     ran = _fake_slurm(monkeypatch, ["MIXED+NOT_RESPONDING", "DOWN+NOT_RESPONDING"], answers=False)
     lines: list[str] = []
-    assert guard.watch_batch_host("1", "mn2", running=lambda: True, log=lines.append, every=0)
+    store = ("10.235.253.11", 29500)  # the rendezvous store on mn1 (MASTER_ADDR:MASTER_PORT)
+    assert guard.watch_batch_host("1", "mn2", running=lambda: True, log=lines.append, every=0, store=store, grace=0)
     assert ran == [["scontrol", "requeue", "1"]] and "requeueing job 1" in lines[-1], lines
     ran.clear()
     monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: True)
     alive = iter([True, True, False])
-    assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0)
+    assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0, store=store)
     assert ran == []
+    # At the end of a run the store goes first: torchrun then exits within the grace, and the
+    # watcher leaves it to main() (which finds status 0) instead of asking anyone.
+    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: False)
+    alive = iter([True, False])
+    assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0, store=store,
+                                      grace=0)
+    assert ran == []
+    assert guard.store_address({"MASTER_ADDR": "mn1", "MASTER_PORT": "29411"}) == ("mn1", 29411)
+    assert guard.store_address({"MASTER_ADDR": "mn1"}) is None
 
 
 def test_when_slurm_ends_the_step_a_silent_batch_host_is_taken_as_lost_at_once(monkeypatch):
@@ -243,17 +253,15 @@ def test_a_signalled_guard_requeues_only_if_the_batch_host_is_silent(tmp_path, b
 
     slurmd = socket.create_server(("127.0.0.1", 0))
     bin_dir = _fake_scontrol_bin(tmp_path, slurmd.getsockname()[1])
+    port = slurmd.getsockname()[1]  # the batch host's slurmd and rendezvous store, both this socket
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURMD_NODENAME="mn2",
-               PYTHONPATH=str(REPO))
+               PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     proc = subprocess.Popen([sys.executable, "-m", "launch.launchers.elastic_guard", "--", sys.executable, "-c",
                              "import time; time.sleep(120)"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     calls = tmp_path / "calls.txt"
-    deadline = time.monotonic() + 60
-    while "show node" not in (calls.read_text() if calls.exists() else ""):  # the watcher is watching
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.1)
-    time.sleep(0.5)  # past its first probe
+    time.sleep(3)  # the guard has started torchrun's stand-in and its watcher
+    assert proc.poll() is None, proc.communicate()[0]
     if not batch_host_alive:
         slurmd.close()
     started = time.monotonic()
@@ -264,8 +272,9 @@ def test_a_signalled_guard_requeues_only_if_the_batch_host_is_silent(tmp_path, b
     requeued = [c for c in calls.read_text().splitlines() if c.startswith("requeue")]
     assert proc.returncode != 0, out
     assert took < guard.ENDING_CHECK_S, took  # within KillWait, before SIGKILL
+    assert "[launch.slurm] mn2: torchrun exited with status -15 after signal(s) SIGTERM" in out, out
     if batch_host_alive:
-        assert requeued == [] and "[launch.slurm]" not in out, out
+        assert requeued == [] and "[launch.slurm] mn2: the batch host mn1 answers; its script handles this" in out, out
     else:
         assert requeued == ["requeue 1"], calls.read_text()
         assert f"the batch host mn1 {ENDING_LINE} (State=MIXED): requeueing job 1" in out, out

@@ -15,6 +15,7 @@ cluster recovers) within the elastic module's RESHARD_TOL.
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -94,6 +95,9 @@ def lost_batch_host(cluster, module_tmp_factory):
     facts["reference_done"] = round(time.monotonic() - t0, 1)
     watcher.join(timeout=FINISH_DEADLINE_S + 30)
     facts["victim_state"] = ci_multinode.node_states(layout).get(victim)
+    # The daemons' logs beside the job's, for a failed run's post-mortem (the cluster's own
+    # folder goes with the module; repeat_multinode keeps a failed run's test folders).
+    shutil.copytree(Path(layout.paths.log_file("slurmctld")).parent, base / "cluster-log")
     facts["total_s"] = round(time.monotonic() - started, 1)
     return job_id, run_dir, reference, facts
 
