@@ -8,11 +8,12 @@ rendezvous store (MASTER_ADDR). When it is lost, the torchruns left exit ("The c
 to the C10d store has failed"), and under --no-kill Slurm merely drops the node: the job
 stays RUNNING with nothing training until its time limit, and no batch script is left to
 notice. So each torchrun's wrapper, on a node that is not the batch host, asks Slurm
-whether the batch host is down when its torchrun exits non-zero; if so it requeues the job
+whether the batch host is down when its torchrun exits non-zero (or, while it runs, when
+the rendezvous store stops answering); if so it requeues the job
 (which asks for MIN-MAX nodes, so it starts again on the nodes left and resumes from the
 last complete checkpoint) or, with requeue off, cancels it, each with one line in the node's
 log saying why. A batch host that is alive (its slurmd answers) is left to handle the
-failure itself.
+failure itself, and a step that Slurm or the user ends (a signal) is left to end.
 
 Limit: scontrol must be on the node's PATH where the guard runs (inside the container with
 --container-image); without it the guard prints that it could not check, and the job stays
@@ -44,11 +45,8 @@ WATCH_S = 10.0
 # outlives them to see how torchrun ended, and forwards nothing (that would signal twice).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 # Set by those signals: Slurm (or the user) is ending the step, and SIGKILL follows KillWait
-# (30 s by default) later. The checks below then act at once instead of waiting.
+# (30 s by default) later: the guard stops waiting and leaves the job alone.
 ENDING = threading.Event()
-ENDING_WHY = "does not answer while Slurm ends this step"
-# How long the guard, signalled, gives the watcher's check after torchrun exited (within KillWait).
-ENDING_CHECK_S = 20.0
 # How long the watcher gives torchrun to exit after the store stopped answering.
 STORE_GRACE_S = 10.0
 
@@ -110,15 +108,15 @@ def wait_until_down(state_of: Callable[[], str], timeout: float, every: float = 
         sleep(every)
 
 
-def act(job: dict[str, str], host: str, state: str, why: str = "is down") -> tuple[str, list[str]]:
-    """The message and the command once the batch host `host` is down (or, `why`, does not
-    answer while Slurm ends the step): requeue (the job asks for MIN-MAX nodes, so it starts
-    again on the nodes left), or cancel when the job may not be requeued (--no-requeue)."""
+def act(job: dict[str, str], host: str, state: str) -> tuple[str, list[str]]:
+    """The message and the command once the batch host `host` is down: requeue (the job asks
+    for MIN-MAX nodes, so it starts again on the nodes left), or cancel when the job may not
+    be requeued (launch.slurm --no-requeue)."""
     job_id = job["JobId"]
     if job.get("Requeue") == "1":
-        return (f"{PREFIX} the batch host {host} {why} (State={state}): requeueing job {job_id} to resume "
+        return (f"{PREFIX} the batch host {host} is down (State={state}): requeueing job {job_id} to resume "
                 "from the last checkpoint on the nodes left", ["scontrol", "requeue", job_id])
-    return (f"{PREFIX} the batch host {host} {why} (State={state}) and job {job_id} may not be requeued "
+    return (f"{PREFIX} the batch host {host} is down (State={state}) and job {job_id} may not be requeued "
             "(--no-requeue): cancelling it; resubmit to resume from the last checkpoint", ["scancel", job_id])
 
 
@@ -136,39 +134,32 @@ def _alive(host: str, node: dict[str, str], config: dict[str, str]) -> bool:
     return slurmd_answers(node.get("NodeAddr", host), int(port))
 
 
-def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -> None:
-    """After this node's torchrun failed: requeue (or cancel) the job if its batch host is down.
-    When Slurm is ending the step (ENDING: the guard got a signal) there is no time to wait for
-    Slurm to mark the host down (KillWait, 30 s by default, is shorter than SlurmdTimeout,
-    300 s): a batch host that does not answer is taken as lost at once, and the requeued job
-    stays COMPLETING until Slurm marks it down, then starts on the nodes left. Why: in 3 of 36
-    runs of tests/launch/test_multinode_batch_host.py Slurm ended the survivors' step within
-    7 s of the crash, before their torchruns had exited on their own."""
+def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -> bool:
+    """After this node's torchrun failed (or the rendezvous store stopped answering): requeue
+    (or cancel) the job if its batch host is down. True when it did. A signal (ENDING: Slurm
+    or the user is ending the step: scancel, time limit, preemption) cuts the wait short and
+    does nothing: a lost batch host does not make Slurm signal the other nodes' steps (Slurm
+    22.05: none of the guard's logs on the namespace cluster shows one)."""
     job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
     host = job.get("BatchHost", "")
     if not host or host == me:
-        return  # this node runs the batch script, which sees srun end
+        return False  # this node runs the batch script, which sees srun end
     config = parse_config(scontrol("show", "config"))
-    node = parse_fields(scontrol("show", "node", "--oneliner", host))
-    if _alive(host, node, config):
+    if _alive(host, parse_fields(scontrol("show", "node", "--oneliner", host)), config):
         log(f"{PREFIX} {me}: the batch host {host} answers; its script handles this")
-        return
-    if ENDING.is_set():
-        _run(*act(job, host, node.get("State", "?"), ENDING_WHY), log)
-        return
+        return False
     timeout = seconds(config.get("SlurmdTimeout", ""), 300) + DOWN_MARGIN_S
     log(f"{PREFIX} {me}: the batch host {host} does not answer; waiting up to "
         f"{timeout} s for Slurm to mark it down")
     down, state = wait_until_down(
         lambda: parse_fields(scontrol("show", "node", "--oneliner", host)).get("State", ""), timeout,
         ending=ENDING.is_set)
-    if not down and ENDING.is_set():
-        _run(*act(job, host, state, ENDING_WHY), log)
-        return
     if not down:
-        log(f"{PREFIX} {me}: the batch host {host} is still State={state} after {timeout} s; leaving the job as it is")
-        return
+        why = "the step is being ended" if ENDING.is_set() else f"still State={state} after {timeout} s"
+        log(f"{PREFIX} {me}: the batch host {host}: {why}; leaving the job as it is")
+        return False
     _run(*act(job, host, state), log)
+    return True
 
 
 def _run(message: str, command: list[str], log: Callable[[str], None]) -> None:
@@ -190,24 +181,25 @@ def watch_batch_host(job_id: str, me: str, running: Callable[[], bool], log: Cal
                      every: float = WATCH_S, store: Optional[tuple[str, int]] = None,
                      grace: float = STORE_GRACE_S) -> bool:
     """While torchrun runs: probe the rendezvous store on the batch host (a TCP connect, which
-    neither the store nor slurmctld logs or notices) and, when it stops answering while
-    torchrun still runs (after `grace`: at the end of a run the store goes first), or when the
-    step is ENDING, do what check_batch_host does. Why not only after torchrun exits: in 1 of
-    13 runs of tests/launch/test_multinode_batch_host.py the survivors' torchruns did not exit
-    after their workers failed. True when it checked."""
+    neither the store nor slurmctld logs) and, once it answered and then stops answering while
+    torchrun still runs (after `grace`: at the end of a run the store goes first), do what
+    check_batch_host does; a batch host that answers is watched on. Why not only after
+    torchrun exits: in 1 of 13 runs of tests/launch/test_multinode_batch_host.py the
+    survivors' torchruns did not exit after their workers failed. True when it acted."""
     store = store if store is not None else store_address(dict(os.environ))
-    while not ENDING.is_set() and running():
-        if store is not None and not slurmd_answers(*store):
+    armed = False  # the store is torchrun's: it answers only some seconds after the start
+    while store is not None and not ENDING.is_set() and running():
+        if slurmd_answers(*store):
+            armed = True
+        elif armed:
             ENDING.wait(grace)
-            if ENDING.is_set() or running():
-                break
-            return False  # torchrun ended (the end of the run): main() checks its status
+            if ENDING.is_set() or not running():
+                return False  # a stop, or the end of the run: main() sees torchrun's status
+            if check_batch_host(job_id, me, log):
+                return True
+            armed = False
         ENDING.wait(every)
-    else:
-        if not ENDING.is_set():
-            return False  # torchrun ended on its own: main() checks
-    check_batch_host(job_id, me, log)
-    return True
+    return False
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -223,10 +215,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     job_id = os.environ.get("SLURM_JOB_ID")
     me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     log = _logger(me)
-    watcher = threading.Thread(target=_guarded, args=(watch_batch_host, job_id, me, lambda: child.poll() is None, log),
-                               daemon=True)
     if job_id:
-        watcher.start()
+        threading.Thread(target=_guarded, args=(watch_batch_host, job_id, me, lambda: child.poll() is None, log),
+                         daemon=True).start()
     while True:
         try:
             rc = child.wait()
@@ -235,14 +226,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
     if rc == 0 or not job_id:
         return rc
-    log(f"{PREFIX} {me}: torchrun exited with status {rc}"
-        + (f" after signal(s) {', '.join(signal.Signals(n).name for n in received)}" if received else ""))
-    if ENDING.is_set():
-        # Slurm or the user is ending the step (time limit, scancel, preemption, or a lost
-        # batch host): the watcher checks the batch host at once (a live one means a stop).
-        watcher.join(timeout=ENDING_CHECK_S)
-    # A no-op when the watcher checked. A signal from now on (the step ended because another
-    # survivor requeued the job) cuts its wait for Slurm short: it acts at once, harmlessly.
+    if received:  # Slurm or the user is ending the step (scancel, time limit, preemption)
+        log(f"{PREFIX} {me}: torchrun exited with status {rc} after "
+            f"{', '.join(signal.Signals(n).name for n in received)}: the step is being ended")
+        return rc
+    log(f"{PREFIX} {me}: torchrun exited with status {rc}")
     _guarded(check_batch_host, job_id, me, log)
     return rc
 
@@ -256,18 +244,16 @@ def _logger(me: str) -> Callable[[str], None]:
     return log
 
 
-_CHECKING = threading.Lock()  # the watcher's check and the one after torchrun ended: one runs
-_CHECKED: list[bool] = []
+_CHECKING = threading.Lock()  # the watcher's check and the one after torchrun ended: one at a time
+_ACTED: list[bool] = []  # a requeue (or cancel) was run: no second one
 
 
-def _guarded(check: Callable[..., None], job_id: str, me: str, *args) -> None:
+def _guarded(check: Callable[..., bool], job_id: str, me: str, *args) -> None:
     log = args[-1]
     try:
         with _CHECKING:
-            if _CHECKED:
-                return
-            if check(job_id, me, *args) or check is check_batch_host:
-                _CHECKED.append(True)
+            if not _ACTED and check(job_id, me, *args):
+                _ACTED.append(True)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log(f"{PREFIX} {me}: could not check the batch host: {exc}")
 

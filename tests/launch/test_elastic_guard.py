@@ -167,62 +167,72 @@ def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_nod
 
 
 def test_a_survivor_whose_torchrun_hangs_still_requeues(monkeypatch):
-    """The watcher: the batch host's slurmd stops answering while torchrun still runs."""
+    """The watcher: the rendezvous store answered, then stops answering while torchrun still
+    runs (after the grace), and the batch host's slurmd does not answer either."""
     ran = _fake_slurm(monkeypatch, ["MIXED+NOT_RESPONDING", "DOWN+NOT_RESPONDING"], answers=False)
+    answers = iter([True, False])  # the store: up, then gone; then the slurmd probe: gone
+    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: next(answers, False))
     lines: list[str] = []
     store = ("10.235.253.11", 29500)  # the rendezvous store on mn1 (MASTER_ADDR:MASTER_PORT)
     assert guard.watch_batch_host("1", "mn2", running=lambda: True, log=lines.append, every=0, store=store, grace=0)
     assert ran == [["scontrol", "requeue", "1"]] and "requeueing job 1" in lines[-1], lines
-    ran.clear()
-    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: True)
-    alive = iter([True, True, False])
+
+
+def test_the_watcher_waits_for_the_store_and_leaves_a_live_batch_host_alone(monkeypatch):
+    """A store not up yet (torchrun starts it some seconds in) is no loss: in 2 of 2 loaded runs
+    of the batch-host test a watcher that probed at once found the store missing, the batch host
+    alive, and took no later look. A store that goes while the batch host answers is watched on;
+    at the end of a run the store goes first and torchrun exits within the grace."""
+    ran = _fake_slurm(monkeypatch, ["MIXED"], answers=False)
+    store, lines = ("10.235.253.11", 29500), []
+    probes = iter([False, False, False])  # never up: nothing asked of Slurm
+    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: next(probes))
+    alive = iter([True, True, True, False])
     assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0, store=store)
-    assert ran == []
-    # At the end of a run the store goes first: torchrun then exits within the grace, and the
-    # watcher leaves it to main() (which finds status 0) instead of asking anyone.
-    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: False)
-    alive = iter([True, False])
+    assert ran == [] and lines == []
+    # Up, gone (the batch host's slurmd answers: watched on), up again, then torchrun ends.
+    probes = iter([True, False, True, True, True])  # the third: the check's probe of the batch host's slurmd
+    monkeypatch.setattr(guard, "slurmd_answers", lambda address, port: next(probes))
+    alive = iter([True] * 5 + [False])
     assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0, store=store,
                                       grace=0)
-    assert ran == []
+    assert ran == [] and lines == ["[launch.slurm] mn2: the batch host mn1 answers; its script handles this"]
+    # The end of a run: the store goes, torchrun exits within the grace; main() sees status 0.
+    probes = iter([True, False])
+    alive = iter([True, True, False])
+    assert not guard.watch_batch_host("1", "mn2", running=lambda: next(alive), log=lines.append, every=0, store=store,
+                                      grace=0)
+    assert ran == [] and len(lines) == 1
     assert guard.store_address({"MASTER_ADDR": "mn1", "MASTER_PORT": "29411"}) == ("mn1", 29411)
     assert guard.store_address({"MASTER_ADDR": "mn1"}) is None
 
 
-def test_when_slurm_ends_the_step_a_silent_batch_host_is_taken_as_lost_at_once(monkeypatch):
-    """No wait for DOWN under a signal: KillWait (30 s) is shorter than SlurmdTimeout (300 s)."""
+def test_a_signal_during_the_wait_for_down_leaves_the_job_alone(monkeypatch):
+    """Slurm or the user is ending the step (scancel, time limit): no requeue of a job being
+    ended, and no wait the step's SIGKILL would cut."""
     ran = _fake_slurm(monkeypatch, ["MIXED+NOT_RESPONDING"], answers=False)
-    lines: list[str] = []
-    guard.ENDING.set()
-    guard.check_batch_host("1", "mn2", log=lines.append)
-    assert ran == [["scontrol", "requeue", "1"]]
-    assert lines == ["[launch.slurm] the batch host mn1 does not answer while Slurm ends this step "
-                     "(State=MIXED+NOT_RESPONDING): requeueing job 1 to resume from the last checkpoint on the nodes left"]
-    # A signal during the wait for DOWN cuts it short the same way.
-    guard.ENDING.clear()
-    ran.clear()
-    fake, nodes_shown = guard.scontrol, []
+    fake, shown = guard.scontrol, []
 
     def signal_at_the_third_poll(*args: str) -> str:  # the check shows the node once, then polls
         if args[:2] == ("show", "node"):
-            nodes_shown.append(args)
-            if len(nodes_shown) == 4:
+            shown.append(args)
+            if len(shown) == 4:
                 guard.ENDING.set()
         return fake(*args)
     monkeypatch.setattr(guard, "scontrol", signal_at_the_third_poll)
-    lines.clear()
-    guard.check_batch_host("1", "mn2", log=lines.append)
-    assert ran == [["scontrol", "requeue", "1"]] and "waiting up to" in lines[0] and ENDING_LINE in lines[1], lines
+    monkeypatch.setattr(guard, "POLL_S", 0.0)
+    lines: list[str] = []
+    assert not guard.check_batch_host("1", "mn2", log=lines.append)
+    assert ran == [] and len(shown) == 4, shown
+    assert lines[-1] == "[launch.slurm] mn2: the batch host mn1: the step is being ended; leaving the job as it is"
 
 
-ENDING_LINE = "does not answer while Slurm ends this step"
-
-
-def _fake_scontrol_bin(tmp_path: Path, slurmd_port: int) -> Path:
-    """An `scontrol` on PATH answering from the fixtures (the batch host mn1 at 127.0.0.1 and
-    `slurmd_port`) and writing each call to calls.txt."""
+def _fake_scontrol_bin(tmp_path: Path, slurmd_port: int, state: str) -> Path:
+    """An `scontrol` on PATH answering from the fixtures (the batch host mn1 at 127.0.0.1,
+    `slurmd_port`, `state`) and writing each call to calls.txt; `scancel` likewise."""
     (tmp_path / "job.txt").write_text(_text("job_running.txt"))
-    (tmp_path / "node.txt").write_text(_text("node_up.txt").replace("NodeAddr=10.235.253.11", "NodeAddr=127.0.0.1"))
+    (tmp_path / "node.txt").write_text(_text("node_up.txt").replace("NodeAddr=10.235.253.11", "NodeAddr=127.0.0.1")
+                                       .replace("State=MIXED", f"State={state}"))
     (tmp_path / "config.txt").write_text(_text("config_excerpt.txt").replace("20311", str(slurmd_port)))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -241,40 +251,43 @@ if sys.argv[1:2] == ["show"]:
     return bin_dir
 
 
-@pytest.mark.parametrize("batch_host_alive", [True, False])
-def test_a_signalled_guard_requeues_only_if_the_batch_host_is_silent(tmp_path, batch_host_alive):
-    """The guard as srun runs it, torchrun's place taken by a sleeping child; Slurm ends the
-    step (SIGTERM to every process of it). The batch host's slurmd is a listening socket here:
-    open, it is a stop (scancel, time limit), nothing is done; closed, the job is requeued."""
+@pytest.mark.parametrize("case", ["lost", "alive", "signalled"])
+def test_the_guard_as_srun_runs_it(tmp_path, case):
+    """The guard's process, torchrun's place taken by a child that fails after 2 s ("lost",
+    "alive") or sleeps until the step is ended with SIGTERM to every process ("signalled").
+    The batch host's slurmd is a listening socket here, closed and DOWN in Slurm ("lost",
+    "signalled") or open ("alive"); scontrol answers from the fixtures. Only "lost" requeues."""
     import os
     import signal
     import socket
     import time
 
     slurmd = socket.create_server(("127.0.0.1", 0))
-    bin_dir = _fake_scontrol_bin(tmp_path, slurmd.getsockname()[1])
-    port = slurmd.getsockname()[1]  # the batch host's slurmd and rendezvous store, both this socket
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURMD_NODENAME="mn2",
-               PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    proc = subprocess.Popen([sys.executable, "-m", "launch.launchers.elastic_guard", "--", sys.executable, "-c",
-                             "import time; time.sleep(120)"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    calls = tmp_path / "calls.txt"
-    time.sleep(3)  # the guard has started torchrun's stand-in and its watcher
-    assert proc.poll() is None, proc.communicate()[0]
-    if not batch_host_alive:
+    port = slurmd.getsockname()[1]
+    bin_dir = _fake_scontrol_bin(tmp_path, port, "MIXED" if case == "alive" else "DOWN+NOT_RESPONDING")
+    if case != "alive":
         slurmd.close()
-    started = time.monotonic()
-    os.killpg(proc.pid, signal.SIGTERM)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURMD_NODENAME="mn2",
+               PYTHONPATH=str(REPO))
+    child = "import time; time.sleep(120)" if case == "signalled" else "import time; time.sleep(2); raise SystemExit(1)"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.launchers.elastic_guard", "--", sys.executable, "-c", child],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    if case == "signalled":
+        time.sleep(3)
+        assert proc.poll() is None, proc.communicate()[0]
+        os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    took = time.monotonic() - started
     slurmd.close()
-    requeued = [c for c in calls.read_text().splitlines() if c.startswith("requeue")]
+    calls = (tmp_path / "calls.txt").read_text() if (tmp_path / "calls.txt").exists() else ""
+    requeued = [c for c in calls.splitlines() if c.startswith("requeue")]
     assert proc.returncode != 0, out
-    assert took < guard.ENDING_CHECK_S, took  # within KillWait, before SIGKILL
-    assert "[launch.slurm] mn2: torchrun exited with status -15 after signal(s) SIGTERM" in out, out
-    if batch_host_alive:
+    if case == "lost":
+        assert requeued == ["requeue 1"], calls
+        assert "[launch.slurm] mn2: torchrun exited with status 1\n" in out
+        assert "the batch host mn1 is down (State=DOWN+NOT_RESPONDING): requeueing job 1" in out, out
+    elif case == "alive":
         assert requeued == [] and "[launch.slurm] mn2: the batch host mn1 answers; its script handles this" in out, out
     else:
-        assert requeued == ["requeue 1"], calls.read_text()
-        assert f"the batch host mn1 {ENDING_LINE} (State=MIXED): requeueing job 1" in out, out
+        assert requeued == [] and calls == "", calls
+        assert "[launch.slurm] mn2: torchrun exited with status -15 after SIGTERM: the step is being ended" in out, out
