@@ -204,9 +204,13 @@ def watch_batch_host(job_id: str, me: str, running: Callable[[], bool], log: Cal
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    log_dir = None
+    if argv[:1] == ["--log-dir"] and len(argv) > 1:
+        log_dir, argv = argv[1], argv[2:]
     command = argv[1:] if argv[:1] == ["--"] else []
     if not command:
-        print("usage: python -m launch.launchers.elastic_guard -- TORCHRUN_COMMAND...", file=sys.stderr)
+        print("usage: python -m launch.launchers.elastic_guard [--log-dir DIR] -- TORCHRUN_COMMAND...",
+              file=sys.stderr)
         return 2
     received: list[int] = []
     for sig in STOP_SIGNALS:
@@ -214,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     child = subprocess.Popen(command)  # caught signals are reset to default by exec
     job_id = os.environ.get("SLURM_JOB_ID")
     me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    log = _logger(me)
+    log = _logger(f"{log_dir}/{job_id or 'nojob'}-guard-{me}.log" if log_dir else None)
     if job_id:
         threading.Thread(target=_guarded, args=(watch_batch_host, job_id, me, lambda: child.poll() is None, log),
                          daemon=True).start()
@@ -235,12 +239,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     return rc
 
 
-def _logger(me: str) -> Callable[[str], None]:
+def _logger(path: Optional[str]) -> Callable[[str], None]:
+    """Each line to `path` (appended, opened per line) and to stdout. Why a file of its own:
+    the step's stdout is a pipe to slurmstepd, which can close it when srun (on the lost batch
+    host) goes: in 1 of 12 loaded runs of tests/launch/test_multinode_batch_host.py nothing of
+    the survivors' reached their node logs after the crash, and a guard that died of the
+    broken pipe on its first line never checked. A line that cannot be written is dropped."""
     lock = threading.Lock()  # the watcher thread and the main thread: one line at a time
 
     def log(line: str) -> None:
         with lock:
-            print(line, flush=True)
+            if path:
+                try:
+                    with open(path, "a") as f:
+                        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+                except OSError:
+                    pass
+            try:
+                print(line, flush=True)
+            except OSError:  # BrokenPipeError included
+                pass
     return log
 
 

@@ -286,7 +286,9 @@ def _program(spec: JobSpec) -> list[str]:
         elastic = (f"--max-restarts={spec.elastic_restarts}", "--rdzv-conf=last_call_timeout=30")
     # Elastic: the guard runs torchrun and, when it fails because this script's node (the
     # batch host, which also holds the rendezvous store) is lost, requeues or cancels the job.
-    guard = [f"{python} -m launch.launchers.elastic_guard --"] if spec.elastic_min_nodes else []
+    # Its lines also go to logs/<job>-guard-<node>.log: the step's stdout can break with srun.
+    logs = shlex.quote(spec.run_dir + "/logs")
+    guard = [f"{python} -m launch.launchers.elastic_guard --log-dir {logs} --"] if spec.elastic_min_nodes else []
     return guard + [f"{python} -m torch.distributed.run"] + ["    " + opt for opt in (
         nnodes, *elastic, f"--nproc-per-node={spec.tasks_per_node}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
@@ -307,9 +309,9 @@ def _elastic_env(spec: JobSpec) -> list[str]:
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         "# This node holds the store and runs this script: if it is lost, nothing is left to",
         "# end the job. Each node's launch.launchers.elastic_guard then sees its torchrun fail",
-        "# (or this node's slurmd stop answering, or Slurm end the step), checks that this node",
-        "# is gone, and requeues the job (it resumes on the nodes left) or, with --no-requeue,",
-        "# cancels it; a line in the node's log says which.",
+        "# (or, while it runs, the rendezvous store here stop answering), checks with Slurm that",
+        "# this node is down, and requeues the job (it resumes on the nodes left) or, with",
+        "# --no-requeue, cancels it; a line in the node's log says which.",
         "",
     ]
 

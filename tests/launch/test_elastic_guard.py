@@ -146,8 +146,9 @@ def test_passes_torchruns_exit_status_through(monkeypatch):
     assert guard.main([sys.executable]) == 2  # the command comes after --
 
 
-def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_node(capsys):
+def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_node(capsys, tmp_path):
     common = ["--recipe", "tiny-llama", "--cpu", "--ntasks-per-node", "2", "--launcher", "torchrun",
+              "--run-dir", str(tmp_path / "run"),
               "--partition", "debug", "--time", "10", "--dry-run", "checkpoint.resume=auto",
               "checkpoint.save_interval=2", "schedule.micro_batch_size=2", "--nodes", "4",
               "schedule.global_batch_size=48"]
@@ -159,7 +160,7 @@ def test_the_elastic_script_runs_torchrun_under_the_guard_and_asks_for_every_nod
                  '--ntasks="$SLURM_JOB_NUM_NODES" \\\n    --ntasks-per-node=1 \\\n'):
         assert line in script, line
     assert "#SBATCH --ntasks-per-node" not in script
-    assert "-m launch.launchers.elastic_guard -- \\\n    " in script
+    assert f"-m launch.launchers.elastic_guard --log-dir {tmp_path}/run/logs -- \\\n    " in script
     assert script.index("elastic_guard") < script.index("-m torch.distributed.run")
     assert slurm_main(common) == 0
     plain = capsys.readouterr().out
@@ -251,7 +252,7 @@ if sys.argv[1:2] == ["show"]:
     return bin_dir
 
 
-@pytest.mark.parametrize("case", ["lost", "alive", "signalled"])
+@pytest.mark.parametrize("case", ["lost", "lost-stdout-broken", "alive", "signalled"])
 def test_the_guard_as_srun_runs_it(tmp_path, case):
     """The guard's process, torchrun's place taken by a child that fails after 2 s ("lost",
     "alive") or sleeps until the step is ended with SIGTERM to every process ("signalled").
@@ -270,9 +271,16 @@ def test_the_guard_as_srun_runs_it(tmp_path, case):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURMD_NODENAME="mn2",
                PYTHONPATH=str(REPO))
     child = "import time; time.sleep(120)" if case == "signalled" else "import time; time.sleep(2); raise SystemExit(1)"
-    proc = subprocess.Popen([sys.executable, "-m", "launch.launchers.elastic_guard", "--", sys.executable, "-c", child],
+    proc = subprocess.Popen([sys.executable, "-m", "launch.launchers.elastic_guard", "--log-dir", str(tmp_path), "--",
+                             sys.executable, "-c", child],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    if case == "lost-stdout-broken":  # slurmstepd closed the step's pipe: lines only in the guard's file
+        proc.stdout.close()
+        assert proc.wait(timeout=60) != 0
+        assert "requeue 1" in (tmp_path / "calls.txt").read_text()
+        assert "requeueing job 1" in (tmp_path / "1-guard-mn2.log").read_text()
+        return
     if case == "signalled":
         time.sleep(3)
         assert proc.poll() is None, proc.communicate()[0]
@@ -282,6 +290,8 @@ def test_the_guard_as_srun_runs_it(tmp_path, case):
     calls = (tmp_path / "calls.txt").read_text() if (tmp_path / "calls.txt").exists() else ""
     requeued = [c for c in calls.splitlines() if c.startswith("requeue")]
     assert proc.returncode != 0, out
+    own = (tmp_path / "1-guard-mn2.log").read_text()  # the same lines, timestamped
+    assert [ln.split(" ", 1)[1] for ln in own.splitlines()] == [ln for ln in out.splitlines() if "[launch.slurm]" in ln]
     if case == "lost":
         assert requeued == ["requeue 1"], calls
         assert "[launch.slurm] mn2: torchrun exited with status 1\n" in out

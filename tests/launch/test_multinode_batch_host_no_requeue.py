@@ -62,9 +62,9 @@ def test_the_job_is_cancelled_with_a_message_when_it_may_not_be_requeued(cluster
     assert seen[-1][1] == "CANCELLED" and seen[-1][3] == "0", (
         f"job {job_id} not cancelled within {END_DEADLINE_S} s of the crash of its batch host mn1: "
         f"(s, state, NodeList, Restarts) seen {seen}\n{describe(run_dir)}")
-    node_logs = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob(f"{job_id}-node*.log")))
+    guard_logs = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob(f"{job_id}-guard-*.log")))
     line = re.search(rf"\[launch\.slurm\] the batch host mn1 is down \(State=DOWN\S*\) and job {job_id} may not be "
                      rf"requeued \(--no-requeue\): "
-                     "cancelling it; resubmit to resume from the last checkpoint", node_logs)
+                     "cancelling it; resubmit to resume from the last checkpoint", guard_logs)
     assert line, describe(run_dir)
     print(f"\njob {job_id} after the crash of mn1 (s, state, NodeList, Restarts): {seen}")
