@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.slurm_helpers import TERMINAL, describe, job_info, multinode_cluster, submit
+from tests.launch.slurm_helpers import TERMINAL, describe, job_info, multinode_cluster
 from tests.launch.test_multinode import _cache, one_node_reference
-from tests.launch.test_multinode_elastic import COMMON, RESHARD_TOL, SAVE_EVERY, STEPS, _hostnames, _records, _wait
+from tests.launch.test_multinode_elastic import (COMMON, RESHARD_TOL, SAVE_EVERY, STEPS, _hostnames, _records,
+                                                 submit_past_first_checkpoint)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -65,21 +66,12 @@ def _watch(job_id: str, env: dict, t0: float, facts: dict) -> None:
 @pytest.fixture(scope="module")
 def lost_batch_host(cluster, module_tmp_factory):
     """The 3-node elastic job, its batch host crashed after a checkpoint; the reference; what was seen."""
-    from data_pipeline.datasets import ensure_demo_dataset
     from launch.launchers import ci_multinode
 
     layout, env = cluster
     base = module_tmp_factory.mktemp("batch-host")
-    demo = base / "demo"
-    ensure_demo_dataset(str(demo))
-    run_dir = base / "job"
     started = time.monotonic()
-    job_id = submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "3", "--ntasks-per-node", "1",
-                     "--launcher", "torchrun", "--elastic-min-nodes", "2", "--partition", "debug", "--time", "10",
-                     "--run-dir", str(run_dir), *COMMON, f"data.cache_dir={_cache(base, demo, 'job')}"], env)
-    last = _wait("a step after the first checkpoint", lambda: (
-        (run_dir / "checkpoints" / "latest").exists() and max((r["step"] for r in _records(run_dir)), default=0)),
-        run_dir, timeout=180, every=0.05)
+    job_id, run_dir, last = submit_past_first_checkpoint(base, env)
     info = job_info(job_id, env)
     assert info["JobState"] == "RUNNING", info
     nodes = _hostnames(info["NodeList"], env)
@@ -91,7 +83,7 @@ def lost_batch_host(cluster, module_tmp_factory):
     t0 = time.monotonic()
     watcher = threading.Thread(target=_watch, args=(job_id, env, t0, facts), daemon=True)
     watcher.start()
-    reference = one_node_reference(base / "reference", 3, "tiny-llama", COMMON, _cache(base, demo, "reference"))
+    reference = one_node_reference(base / "reference", 3, "tiny-llama", COMMON, _cache(base, base / "demo", "reference"))
     facts["reference_done"] = round(time.monotonic() - t0, 1)
     watcher.join(timeout=FINISH_DEADLINE_S + 30)
     facts["victim_state"] = ci_multinode.node_states(layout).get(victim)

@@ -15,9 +15,8 @@ import time
 
 import pytest
 
-from tests.launch.slurm_helpers import TERMINAL, describe, job_info, multinode_cluster, submit
-from tests.launch.test_multinode import _cache
-from tests.launch.test_multinode_elastic import COMMON, _records, _wait
+from tests.launch.slurm_helpers import TERMINAL, describe, job_info, multinode_cluster
+from tests.launch.test_multinode_elastic import submit_past_first_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -31,21 +30,10 @@ def cluster():
 
 
 def test_the_job_is_cancelled_with_a_message_when_it_may_not_be_requeued(cluster, module_tmp_factory):
-    from data_pipeline.datasets import ensure_demo_dataset
     from launch.launchers import ci_multinode
 
     layout, env = cluster
-    base = module_tmp_factory.mktemp("no-requeue")
-    demo = base / "demo"
-    ensure_demo_dataset(str(demo))
-    run_dir = base / "job"
-    job_id = submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "3", "--ntasks-per-node", "1",
-                     "--launcher", "torchrun", "--elastic-min-nodes", "2", "--no-requeue", "--partition", "debug",
-                     "--time", "10", "--run-dir", str(run_dir), *COMMON, f"data.cache_dir={_cache(base, demo, 'job')}"],
-                    env)
-    _wait("a step after the first checkpoint", lambda: (
-        (run_dir / "checkpoints" / "latest").exists() and max((r["step"] for r in _records(run_dir)), default=0)),
-        run_dir, timeout=180, every=0.05)
+    job_id, run_dir, _ = submit_past_first_checkpoint(module_tmp_factory.mktemp("no-requeue"), env, "--no-requeue")
     info = job_info(job_id, env)
     assert info["JobState"] == "RUNNING" and info["BatchHost"] == "mn1", info
     ci_multinode.crash_node(layout, 1)
