@@ -241,6 +241,8 @@ def write_config(layout: Layout) -> None:
         f"SlurmdPidFile={root}/slurmd-%n.pid",
         f"SlurmctldLogFile={paths.log_file('slurmctld')}",
         f"SlurmdLogFile={root}/log/slurmd-%n.log",
+        # How each task ended (exit code or signal) is in the node's log: post-mortems need it.
+        "SlurmdDebug=verbose",
         # A node that stops answering is DOWN after ~SlurmdTimeout (+ ping interval): its jobs requeue.
         "SlurmdTimeout=10",
         *SCHEDULING,
