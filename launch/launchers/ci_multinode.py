@@ -376,12 +376,21 @@ def _check_node(layout: Layout, index: int) -> None:
 
 
 def crash_node(layout: Layout, index: int) -> int:
-    """SIGKILL everything in the node's namespace (slurmd and job steps), as a power loss would;
-    returns how many processes were killed. The filesystem, shared by all nodes, stays."""
+    """Stop, then SIGKILL, everything in the node's namespace (slurmd and job steps), as a power
+    loss would; returns how many processes were killed. The filesystem, shared by all nodes,
+    stays. Why stop first: killed one by one, a process could see another die and act before
+    its own SIGKILL came. Seen in 1 of 2 runs of tests/launch/test_multinode_batch_host.py: at the
+    crash the step was SIGKILLed on every node ("Sent signal 9 to StepId=1.0" in the survivors'
+    logs, 11 ms before slurmctld failed to answer an RPC from the crashed node), most likely
+    cancelled by one of the batch script's two srun processes when the other was killed first,
+    which a power loss cannot do."""
     _check_node(layout, index)
     pids = namespace_pids(layout, index)
-    _kill_all(pids, signal.SIGKILL)
-    return len(pids)
+    _kill_all(pids, signal.SIGSTOP)
+    forked = [pid for pid in namespace_pids(layout, index) if pid not in pids]  # between the list and the stop
+    _kill_all(forked, signal.SIGSTOP)
+    _kill_all(pids + forked, signal.SIGKILL)
+    return len(pids) + len(forked)
 
 
 def cut_network(layout: Layout, index: int) -> None:
