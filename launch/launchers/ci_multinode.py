@@ -380,26 +380,31 @@ def crash_node(layout: Layout, index: int) -> int:
     returns how many processes were killed. The filesystem, shared by all nodes, stays.
 
     The node's link is down while its processes die, so none of them gets a last message out:
-    signals reach them one after another, and the batch host's srun forks a "shepherd" child
-    whose job is, once srun has died, to ask the controller to SIGKILL srun's step on every
-    node. In about 1 crash of a batch host in 10 the survivors' step was SIGKILLed at the
-    crash (their slurmd, at debug2: REQUEST_SIGNAL_TASKS signal 9), with the node's processes
-    killed in PID order (srun before its shepherd) and also when all were stopped first. A node
-    that loses power sends nothing. The link comes back once they are gone (unless it was cut
-    already), so the other nodes see the dead node's connections reset, as after a reboot, and
-    its address refuses connections instead of timing out."""
+    a power loss sends nothing, but signalled processes die one after another, and the batch
+    host's srun forks a "shepherd" child whose job, once srun has died, is to ask the controller
+    to SIGKILL srun's step everywhere. Some crashes of a batch host let it: the survivors' step
+    was SIGKILLed at the crash (their slurmd at debug2: REQUEST_SIGNAL_TASKS signal 9; the
+    controller at debug: a connection from the crashed node, then REQUEST_SIGNAL_TASKS to the
+    step's nodes). Stopping every process first made it more frequent, most likely because the
+    kernel sends SIGHUP + SIGCONT to a process group left orphaned with stopped members, which
+    wakes the shepherd. The link comes back once all are gone (unless it was cut already), so
+    the other nodes see the dead node's connections reset, as after a reboot, and its address
+    refuses connections instead of timing out.
+    """
     _check_node(layout, index)
     was_up = _link_is_up(layout.host_veth(index))
     if was_up:
         cut_network(layout, index)
-    pids = namespace_pids(layout, index)
-    _kill_all(pids, signal.SIGKILL)
+    killed: set[int] = set()
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    # Again until the namespace is empty: a process may fork between the listing and its kill.
+    while (pids := namespace_pids(layout, index)) and time.monotonic() < deadline:
+        _kill_all(pids, signal.SIGKILL)
+        killed.update(pids)
         time.sleep(0.05)
     if was_up:
         heal_network(layout, index)
-    return len(pids)
+    return len(killed)
 
 
 def _link_is_up(name: str) -> bool:
