@@ -139,7 +139,8 @@ def check_batch_host(job_id: str, me: str, log: Callable[[str], None] = print) -
     (or cancel) the job if its batch host is down. True when it did. A signal (ENDING: Slurm
     or the user is ending the step: scancel, time limit, preemption) cuts the wait short and
     does nothing: a lost batch host does not make Slurm signal the other nodes' steps (Slurm
-    22.05: none of the guard's logs on the namespace cluster shows one)."""
+    22.05: none of the guard's logs on the namespace cluster shows one, since its crash cuts the
+    node's link first; before, the dying srun's shepherd sometimes had the step SIGKILLed)."""
     job = parse_fields(scontrol("show", "job", "--oneliner", job_id))
     host = job.get("BatchHost", "")
     if not host or host == me:
