@@ -241,6 +241,8 @@ def write_config(layout: Layout) -> None:
         f"SlurmdPidFile={root}/slurmd-%n.pid",
         f"SlurmctldLogFile={paths.log_file('slurmctld')}",
         f"SlurmdLogFile={root}/log/slurmd-%n.log",
+        # How each task ended (exit code or signal) is in the node's log: post-mortems need it.
+        "SlurmdDebug=verbose",
         # A node that stops answering is DOWN after ~SlurmdTimeout (+ ping interval): its jobs requeue.
         "SlurmdTimeout=10",
         *SCHEDULING,
@@ -375,11 +377,41 @@ def _check_node(layout: Layout, index: int) -> None:
 
 def crash_node(layout: Layout, index: int) -> int:
     """SIGKILL everything in the node's namespace (slurmd and job steps), as a power loss would;
-    returns how many processes were killed. The filesystem, shared by all nodes, stays."""
+    returns how many processes were killed. The filesystem, shared by all nodes, stays.
+
+    The node's link is down while its processes die, so none of them gets a last message out:
+    a power loss sends nothing, but signalled processes die one after another, and the batch
+    host's srun forks a "shepherd" child whose job, once srun has died, is to ask the controller
+    to SIGKILL srun's step everywhere. Some crashes of a batch host let it: the survivors' step
+    was SIGKILLed at the crash (their slurmd at debug2: REQUEST_SIGNAL_TASKS signal 9; the
+    controller at debug: a connection from the crashed node, then REQUEST_SIGNAL_TASKS to the
+    step's nodes). Stopping every process first made it more frequent, most likely because the
+    kernel sends SIGHUP + SIGCONT to a process group left orphaned with stopped members, which
+    wakes the shepherd. The link comes back once all are gone (unless it was cut already), so
+    the other nodes see the dead node's connections reset, as after a reboot, and its address
+    refuses connections instead of timing out.
+    """
     _check_node(layout, index)
-    pids = namespace_pids(layout, index)
-    _kill_all(pids, signal.SIGKILL)
-    return len(pids)
+    was_up = _link_is_up(layout.host_veth(index))
+    if was_up:
+        cut_network(layout, index)
+    killed: set[int] = set()
+    deadline = time.monotonic() + 10
+    # Again until the namespace is empty: a process may fork between the listing and its kill.
+    while (pids := namespace_pids(layout, index)) and time.monotonic() < deadline:
+        _kill_all(pids, signal.SIGKILL)
+        killed.update(pids)
+        time.sleep(0.05)
+    if was_up:
+        heal_network(layout, index)
+    return len(killed)
+
+
+def _link_is_up(name: str) -> bool:
+    # The administrative flag: `ip link set NAME down` removes UP from <...>.
+    out = _ip("-o", "link", "show", name).stdout
+    flags = out.split("<", 1)[1].split(">", 1)[0].split(",") if "<" in out else []
+    return "UP" in flags
 
 
 def cut_network(layout: Layout, index: int) -> None:

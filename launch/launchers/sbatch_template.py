@@ -130,6 +130,20 @@ def _header(spec: JobSpec) -> list[str]:
     return lines + [""]
 
 
+def _elastic_size(spec: JobSpec, unit: str) -> list[str]:
+    """MIN-MAX nodes, so that a job requeued after losing its first node (the batch host;
+    launch/launchers/elastic_guard.py) starts on the nodes left. One task per node, but not
+    --ntasks-per-node: with it Slurm 22.05 gave a MIN-MAX job MIN nodes with all MAX idle,
+    and a requeued job kept asking for MAX tasks, one per node, so waited for the lost node."""
+    return [
+        "# Elastic: MIN-MAX nodes so that a requeued job starts on the nodes left; MAX tasks",
+        "# spread one per node (srun below says --ntasks-per-node=1) make the first start take MAX.",
+        _directive("nodes", f"{spec.elastic_min_nodes}-{spec.nodes}"),
+        _directive("ntasks", str(spec.nodes), f"one torchrun per node, one worker per {unit}"),
+        _directive("spread-job", why="over as many nodes as there are tasks"),
+    ]
+
+
 def _directives(spec: JobSpec) -> list[str]:
     out = output_pattern(spec.run_dir) + "/logs/slurm-%j.out"
     lines = [
@@ -138,16 +152,18 @@ def _directives(spec: JobSpec) -> list[str]:
     ]
     if spec.account:
         lines.append(_directive("account", spec.account))
-    lines += [
-        _directive("time", spec.time),
-        _directive("nodes", str(spec.nodes)),
-    ]
+    lines.append(_directive("time", spec.time))
     unit = "GPU" if spec.gpus_per_node else "CPU rank"
     cpus_per_task = spec.cpus_per_task
-    if spec.launcher == "srun":
-        lines.append(_directive("ntasks-per-node", str(spec.tasks_per_node), f"one task per {unit}"))
+    if spec.elastic_min_nodes:
+        lines += _elastic_size(spec, unit)
+    elif spec.launcher == "srun":
+        lines += [_directive("nodes", str(spec.nodes)),
+                  _directive("ntasks-per-node", str(spec.tasks_per_node), f"one task per {unit}")]
     else:
-        lines.append(_directive("ntasks-per-node", "1", f"one torchrun per node, one worker per {unit}"))
+        lines += [_directive("nodes", str(spec.nodes)),
+                  _directive("ntasks-per-node", "1", f"one torchrun per node, one worker per {unit}")]
+    if spec.launcher == "torchrun":
         if not spec.gpus_per_node and not cpus_per_task:
             cpus_per_task = spec.tasks_per_node  # the node's share of CPUs goes to torchrun's task
     if cpus_per_task:
@@ -238,6 +254,8 @@ def _srun_options(spec: JobSpec) -> list[str]:
             "--open-mode=append", "--label"]
     # Elastic: a lost node's torchrun must not end the step (the others re-form without it).
     opts += ["--no-kill", "--kill-on-bad-exit=0"] if spec.elastic_min_nodes else ["--kill-on-bad-exit=1"]
+    if spec.elastic_min_nodes:  # the job asked for tasks, not tasks per node: one torchrun per node
+        opts += ['--ntasks="$SLURM_JOB_NUM_NODES"', "--ntasks-per-node=1"]
     if spec.container_image:
         opts.append(f"--container-image={shlex.quote(spec.container_image)}")
         if spec.container_mounts:
@@ -266,7 +284,12 @@ def _program(spec: JobSpec) -> list[str]:
         # loaded 2-node test job once formed on its first node alone (the second node's torchrun
         # joined later and waited), training at half the DP it was given.
         elastic = (f"--max-restarts={spec.elastic_restarts}", "--rdzv-conf=last_call_timeout=30")
-    return [f"{python} -m torch.distributed.run"] + ["    " + opt for opt in (
+    # Elastic: the guard runs torchrun and, when it fails because this script's node (the
+    # batch host, which also holds the rendezvous store) is lost, requeues or cancels the job.
+    # Its lines also go to logs/<job>-guard-<node>.log: the step's stdout can break with srun.
+    logs = shlex.quote(spec.run_dir + "/logs")
+    guard = [f"{python} -m launch.launchers.elastic_guard --log-dir {logs} --"] if spec.elastic_min_nodes else []
+    return guard + [f"{python} -m torch.distributed.run"] + ["    " + opt for opt in (
         nnodes, *elastic, f"--nproc-per-node={spec.tasks_per_node}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
         '--rdzv-id="$SLURM_JOB_ID"',
@@ -284,6 +307,11 @@ def _elastic_env(spec: JobSpec) -> list[str]:
         "# group: the ranks of the new group then read the old group's addresses and fail",
         "# (pytorch/pytorch#135712). A store of their own per group avoids it.",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "# This node holds the store and runs this script: if it is lost, nothing is left to",
+        "# end the job. Each node's launch.launchers.elastic_guard then sees its torchrun fail",
+        "# (or, while it runs, the rendezvous store here stop answering), checks with Slurm that",
+        "# this node is down, and requeues the job (it resumes on the nodes left) or, with",
+        "# --no-requeue, cancels it; a line in the node's log says which.",
         "",
     ]
 

@@ -219,3 +219,58 @@ def test_loopback_hostname_and_missing_interface_are_refused_before_the_rendezvo
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert "GLOO_SOCKET_IFNAME=eth9 names no network interface of host mn1 (it has: lo, mn0)" in errors[0], errors
+
+
+# A parent and, behind DECOYS processes in PID order, a child that connects out once its parent
+# has died: srun and its shepherd, which asks the controller to kill the step when srun dies.
+# Killed one by one (the old crash_node) the child had the time of DECOYS kills to do it.
+_LAST_GASP = r"""
+import os, socket, subprocess, sys
+decoys = [subprocess.Popen(["sleep", "300"]) for _ in range(int(sys.argv[3]))]
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(w)
+    os.read(r, 1)  # returns at the parent's death
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).sendall(b"gasp")
+    os._exit(0)
+os.close(r)
+print("ready", flush=True)
+os.read(0, 1)
+"""
+DECOYS = 300
+
+
+def test_a_crashed_node_gets_no_last_message_out(cluster):
+    """crash_node is a power loss: its link is down while its processes die (then back up),
+    so a process woken by another's death reaches nobody; a link cut before stays cut."""
+    import socket
+
+    from launch.launchers import ci_daemons, ci_multinode
+
+    layout, _ = cluster
+    listener = socket.create_server((f"{layout.subnet}.1", 0))  # the bridge's address, any port
+    listener.settimeout(3)
+    argv = ci_multinode._in_namespace(layout, 2, [sys.executable, "-c", _LAST_GASP, f"{layout.subnet}.1",
+                                                  str(listener.getsockname()[1]), str(DECOYS)])
+    gasp = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert gasp.stdout.readline().strip() == "ready"
+        killed = ci_multinode.crash_node(layout, 2)
+        try:
+            conn, _ = listener.accept()
+            heard = conn.recv(16)
+        except TimeoutError:
+            heard = b""
+        assert heard == b"", f"a process of the crashed node got {heard!r} out"
+        assert killed >= DECOYS + 3 and ci_multinode.namespace_pids(layout, 2) == []
+        assert ci_multinode._link_is_up(layout.host_veth(2)), "the link stays down after the crash"
+        ci_multinode.restart_slurmd(layout, 2)
+        ci_multinode.cut_network(layout, 2)
+        ci_multinode.crash_node(layout, 2)
+        assert not ci_multinode._link_is_up(layout.host_veth(2)), "a cut link came back with the crash"
+    finally:
+        gasp.kill()
+        listener.close()
+        ci_multinode.heal_network(layout, 2)
+    ci_multinode.restart_slurmd(layout, 2)
+    ci_daemons.wait_for(lambda: ci_multinode.ping(layout), "node mn2 after the crash", layout.paths, timeout=60)

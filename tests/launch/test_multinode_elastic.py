@@ -87,6 +87,26 @@ def _wait(what: str, check, run_dir: Path, timeout: float, every: float = 0.2):
     pytest.fail(f"{what} not seen in {timeout:.0f} s\n{describe(run_dir)}")
 
 
+def submit_past_first_checkpoint(base: Path, env: dict, *extra: str) -> tuple[str, Path, int]:
+    """The 3-node elastic job (one rank per node, --elastic-min-nodes 2, demo text under
+    `base`) submitted and waited for until it trained a step after its first checkpoint:
+    (job id, run dir, that step). The elastic and batch-host modules strike it then."""
+    from data_pipeline.datasets import ensure_demo_dataset
+
+    demo = base / "demo"
+    ensure_demo_dataset(str(demo))
+    run_dir = base / "job"
+    job_id = submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "3", "--ntasks-per-node", "1",
+                     "--launcher", "torchrun", "--elastic-min-nodes", "2", *extra, "--partition", "debug",
+                     "--time", "10", "--run-dir", str(run_dir), *COMMON, f"data.cache_dir={_cache(base, demo, 'job')}"],
+                    env)
+    # Past the first checkpoint (the steps since the last one are trained again).
+    last = _wait("a step after the first checkpoint", lambda: (
+        (run_dir / "checkpoints" / "latest").exists() and max((r["step"] for r in _records(run_dir)), default=0)),
+        run_dir, timeout=180, every=0.05)
+    return job_id, run_dir, last
+
+
 def _watch_shrink(job_id: str, env: dict, run_dir: Path, t0: float, facts: dict) -> None:
     """From the crash until the survivors train again: the job's states and node lists as
     Slurm reports them, and the workers' environment once the group re-formed."""
@@ -117,23 +137,13 @@ def _watch_shrink(job_id: str, env: dict, run_dir: Path, t0: float, facts: dict)
 @pytest.fixture(scope="module")
 def shrunk(cluster, module_tmp_factory):
     """The 3-node job, struck after its first checkpoint; the reference; what was seen."""
-    from data_pipeline.datasets import ensure_demo_dataset
     from launch.launchers import ci_multinode
 
     layout, env = cluster
     base = module_tmp_factory.mktemp("elastic")
-    demo = base / "demo"
-    ensure_demo_dataset(str(demo))
-    run_dir = base / "job"
     started = time.monotonic()
-    job_id = submit(["--recipe", "tiny-llama", "--cpu", "--nodes", "3", "--ntasks-per-node", "1",
-                     "--launcher", "torchrun", "--elastic-min-nodes", "2", "--partition", "debug", "--time", "10",
-                     "--run-dir", str(run_dir), *COMMON, f"data.cache_dir={_cache(base, demo, 'job')}"], env)
     facts: dict = {"job": [], "workers_seen": [], "env": env}
-    # Past the first checkpoint (the steps since the last one are trained again).
-    last = _wait("a step after the first checkpoint", lambda: (
-        (run_dir / "checkpoints" / "latest").exists() and max((r["step"] for r in _records(run_dir)), default=0)),
-        run_dir, timeout=180, every=0.05)
+    job_id, run_dir, last = submit_past_first_checkpoint(base, env)
     facts["workers_before"] = _worker_envs(run_dir)
     info = job_info(job_id, env)
     assert info["JobState"] == "RUNNING", info
@@ -148,7 +158,7 @@ def shrunk(cluster, module_tmp_factory):
     # then last_call_timeout): the uninterrupted reference runs here meanwhile.
     watcher = threading.Thread(target=_watch_shrink, args=(job_id, env, run_dir, t0, facts), daemon=True)
     watcher.start()
-    reference = one_node_reference(base / "reference", 3, "tiny-llama", COMMON, _cache(base, demo, "reference"))
+    reference = one_node_reference(base / "reference", 3, "tiny-llama", COMMON, _cache(base, base / "demo", "reference"))
     facts["reference_done"] = round(time.monotonic() - t0, 1)
     watcher.join(timeout=300)
     assert "training_again" in facts, f"{facts.get('watch_error', 'still watching')}\n{describe(run_dir)}"
