@@ -408,10 +408,8 @@ def crash_node(layout: Layout, index: int) -> int:
 
 
 def _link_is_up(name: str) -> bool:
-    # The administrative flag: `ip link set NAME down` removes UP from <...>.
-    out = _ip("-o", "link", "show", name).stdout
-    flags = out.split("<", 1)[1].split(">", 1)[0].split(",") if "<" in out else []
-    return "UP" in flags
+    # The administrative flag: `ip link set NAME down` removes UP from the link's flags.
+    return "UP" in json.loads(_ip("-j", "link", "show", name).stdout)[0]["flags"]
 
 
 def cut_network(layout: Layout, index: int) -> None:

@@ -258,7 +258,8 @@ def test_a_crashed_node_gets_no_last_message_out(cluster):
         killed = ci_multinode.crash_node(layout, 2)
         try:
             conn, _ = listener.accept()
-            heard = conn.recv(16)
+            with conn:
+                heard = conn.recv(16)
         except TimeoutError:
             heard = b""
         assert heard == b"", f"a process of the crashed node got {heard!r} out"
