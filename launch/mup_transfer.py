@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Optional
@@ -80,10 +81,10 @@ def mean_se(values: list[float]) -> tuple[float, Optional[float]]:
     diverged seed (inf) makes both inf."""
     if not all(math.isfinite(v) for v in values):
         return math.inf, math.inf
-    mean = sum(values) / len(values)
+    mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+    return mean, statistics.stdev(values, mean) / math.sqrt(len(values))
 
 
 def summarize(results: dict) -> dict:
