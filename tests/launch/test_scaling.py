@@ -181,3 +181,20 @@ def test_unreadable_file_is_refused(tmp_path):
     (tmp_path / "binary.csv").write_bytes(b"\xff\xfe\x00params")
     expect_refusal("launch.scaling", ["fit", str(tmp_path / "binary.csv"), "--approach", "3"],
                    names=["binary.csv"], cwd=tmp_path, subprocess=True, allow=["binary.csv"])
+
+
+def test_isoflop_curves_follow_each_budgets_own_tokens():
+    """isoflop.png's approach-3 curve of a budget runs along that budget's own (N, D) points: at a
+    ladder point it gives that point's D, also where the table's compute is not 6ND (the study's
+    tiny models spend 3-21 x 6N per token on their output layer). Exactly C / (6N) when it is."""
+    from launch.scaling.plots import _tokens_along
+
+    n = np.array([3376.0, 13408.0, 26784.0, 50368.0])
+    c = 1e12
+    per_token = np.array([4.19e5, 8.79e5, 9.71e5, 1.9e6])  # the ladder's FLOPs per token
+    d = c / per_token
+    fitted_line = _tokens_along(n, d, c, n)
+    assert np.allclose(np.log(fitted_line), np.log(d), atol=0.25)  # within ~25% of its points (a line in log-log)
+    assert np.all(c / (6 * n) > 3 * d)  # what C / (6N) would have given
+    assert np.allclose(_tokens_along(n, c / (6 * n), c, n * 1.7), c / (6 * n * 1.7))
+    assert np.allclose(_tokens_along(n[:1], d[:1], c, n), c / (6 * n))  # one size: 6ND

@@ -1,7 +1,7 @@
 """The scaling study end to end, a few steps a point: `launch.scaling study` designs an IsoFLOP
 ladder of tiny-llama sizes on the demo's real text -> `launch.sweep` trains it on CPU (stable
 runs and WSD cooldown branches, a held-out evaluation at every point's end) -> approach 3 is
-fitted to val_loss with N = non-embedding params, with a bootstrap -> the next size at 4x the
+fitted to val_loss with N = non-embedding params, with a bootstrap -> the next size at 2x the
 largest budget is predicted, trained and compared -> study.json. Then `launch.scaling fit --json`
 refits the same table and `launch.scaling heldout` measures its noise. The full-size study:
 README, "The end-to-end study"."""
@@ -29,7 +29,7 @@ def _rows(path) -> list[dict]:
 @pytest.mark.slow  # 11 training processes (10 ladder points: approach 3's minimum; the target): ~3 min of CPU
 def test_study_on_real_text(tmp_path, capsys):
     out = tmp_path / "study"
-    assert scaling_main(["study", "--out", str(out), "--budgets", "3e10", "6e10", "--sizes", "5",
+    assert scaling_main(["study", "--out", str(out), "--budgets", "1.5e10", "3e10", "--sizes", "5",
                          "--min-steps", "8", "--eval-batches", "3", "--cooldown-fraction", "0.25",
                          "--bootstrap", "8"]) == 0
     printed = capsys.readouterr().out
@@ -44,10 +44,14 @@ def test_study_on_real_text(tmp_path, capsys):
     for r in rows:
         model = ModelConfig(**yaml.safe_load((out / "ladder" / "points" / r["point"] / "config.yaml").read_text())["model"])
         assert fitted[r["point"]] == non_embedding_params(model) < total_params(model) == int(r["params"])
+        assert model.num_query_groups == model.num_attention_heads  # the study's tiny-llama family: MHA
     study = json.loads((out / "study.json").read_text())
     target, compute = study["target"], study["compute"]
     assert study["n_points"] == 10 and study["params_count"] == "non-embedding" and study["n_bootstrap"] == 8
-    assert target["params"] > max(fitted.values()) and target["budget"] == 4 * 6e10
+    assert target["params"] > max(fitted.values()) and target["budget"] == 2 * 3e10
+    for name, value in study["fit"].items():  # each parameter's bootstrap interval
+        lo, hi = study["fit_ci95"][name]
+        assert lo <= hi and math.isfinite(value), (name, value, lo, hi)
     lo, hi = target["ci95"]
     assert lo <= target["predicted"] <= hi and math.isfinite(target["predicted"])
     measured = _rows(out / "target" / "results.csv")[0]
@@ -61,3 +65,18 @@ def test_study_on_real_text(tmp_path, capsys):
     assert all(math.isfinite(entry["value"]) for entry in fit["params"].values())
     noise = analyse(out / "ladder")
     assert noise["points"] == 10 and noise["batches"] == 3 and noise["pairs"]
+
+
+def test_a_ladder_without_an_n_term_is_named(capsys):
+    """The warning: an exponent whose bootstrap interval reaches 0 (the old default ladder's alpha,
+    95% [-0.057, 0.064]) or a non-positive one is named, with the term it fails to show."""
+    from launch.scaling.study import _warn_flat
+
+    fit = {"E": 0.46, "A": 1.9, "B": 15.7, "alpha": 0.0073, "beta": 0.16}
+    _warn_flat({"fit": fit, "fit_ci95": {"alpha": [-0.057, 0.064], "beta": [0.1, 0.2]}})
+    printed = capsys.readouterr().out
+    assert "warning: alpha 0.0073 (95% [-0.057, 0.064]): the ladder does not show its loss falling with N," in printed
+    _warn_flat({"fit": {**fit, "beta": -0.1}, "fit_ci95": {"alpha": [0.02, 11.3], "beta": None}})
+    assert "warning: beta -0.1: the ladder does not show its loss falling with D," in capsys.readouterr().out
+    _warn_flat({"fit": fit, "fit_ci95": {"alpha": [0.025, 11.3], "beta": [0.06, 0.49]}})
+    assert capsys.readouterr().out == ""
