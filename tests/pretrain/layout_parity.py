@@ -26,13 +26,32 @@ def train_to_checkpoint(nproc: int, recipe: str, overrides: list[str], run_dir: 
     return losses, norms, weights
 
 
-def assert_run_matches(got: tuple, want: tuple, what: str, rtol: float = 1e-5, atol: float = 1e-5) -> str:
+def assert_run_matches(got: tuple, want: tuple, what: str, rtol: float = 1e-5, atol: float = 1e-5,
+                       sign_flips: tuple[int, float] = (0, 0.0)) -> str:
     """Losses and grad norms within `rtol` at every step, every final weight within `atol`;
-    returns a one-line summary of the worst differences."""
+    returns a one-line summary of the worst differences. `sign_flips` = (n, bound): for sign
+    optimizers (Lion), up to n weight elements may differ by at most `bound` (see
+    `count_sign_flips_allowed`)."""
     (losses, norms, weights), (want_losses, want_norms, want_weights) = got, want
     worst = assert_steps_close(losses, want_losses, rtol=rtol, what=f"{what} loss vs one rank")
     worst_norm = assert_steps_close(norms, want_norms, rtol=rtol, what=f"{what} grad norm vs one rank")
     assert weights.keys() == want_weights.keys() and any("decoder.layers" in k for k in weights)
     worst_weight, where = max(((weights[k] - want_weights[k]).abs().max().item(), k) for k in weights)
-    assert worst_weight <= atol, f"{what}: final weight {where} differs by {worst_weight:.2e} from one rank's"
-    return f"{what}: worst rel diff loss {worst:.2e}, grad norm {worst_norm:.2e}; weights {worst_weight:.2e}"
+    over = sum(int(((weights[k] - want_weights[k]).abs() > atol).sum()) for k in weights)
+    allowed, bound = sign_flips
+    assert over <= allowed and (over == 0 or worst_weight <= bound), (
+        f"{what}: final weight {where} differs by {worst_weight:.2e} from one rank's; {over} elements differ by "
+        f"more than {atol:g} (allowed: {allowed}, each up to {bound:g})")
+    return (f"{what}: worst rel diff loss {worst:.2e}, grad norm {worst_norm:.2e}; weights {worst_weight:.2e}, "
+            f"{over} elements past {atol:g}")
+
+
+def count_sign_flips_allowed(elements: int) -> int:
+    """How many weight elements a sign optimizer may flip between two fp32 runs that differ only in
+    summation order. Lion steps each element by lr x sign(beta1 m + (1 - beta1) g); where that mix
+    is within rounding of 0 another layout's (or a plain-PyTorch reference's) reduction order can
+    give it the other sign, and that element ends 2 lr away. Measured on a Sapphire Rapids VM
+    (AVX512-FP16; 2026-11-29): 1 element of 1.4M, in the output layer, in two tests that had
+    passed with 0 on earlier VMs. Allowed: 1 in 100,000 (14 of tiny-llama's 1.4M), at least 2;
+    a convention error (swapped betas, coupled decay) moves most elements."""
+    return max(2, elements // 100_000)

@@ -41,7 +41,9 @@ def run_ours_and_references(recipe: str, overrides: list[str]) -> dict:
                                               swap_betas=swap, coupled_decay=coupled)
             assert sorted(weights) == sorted(ours_weights)
             worst = max(((ours_weights[n] - w).norm() / w.norm()).item() for n, w in weights.items())
-            result[name] = {"losses": losses, "weights": worst}
+            diffs = torch.cat([(ours_weights[n] - w).abs().flatten() for n, w in weights.items()])
+            result[name] = {"losses": losses, "weights": worst, "elements": diffs.numel(),
+                            "differing": int((diffs > 1e-6).sum()), "largest": diffs.max().item()}
         return result
     finally:
         run.writer.close()

@@ -9,6 +9,7 @@ import pytest
 
 from tests.compare import assert_steps_close, relative_differences
 from tests.distributed import run_ranks
+from tests.pretrain.layout_parity import count_sign_flips_allowed
 from tests.pretrain.test_muon import needs_emerging_optimizers
 
 pytestmark = needs_emerging_optimizers
@@ -36,9 +37,14 @@ def test_lion_matches_plain_pytorch_lion(runs):
     ours, ref = runs["ours"], runs["match"]["losses"]
     assert len(ours) == STEPS
     worst = assert_steps_close(ours, ref, rtol=1e-5, what="loss, ours vs plain-PyTorch Lion")
-    print(f"match: losses {ours} vs {ref}, worst rel diff {worst:.2e}, weights {runs['match']['weights']:.2e}")
+    m = runs["match"]
+    print(f"match: losses {ours} vs {ref}, worst rel diff {worst:.2e}, weights {m['weights']:.2e}, "
+          f"{m['differing']} of {m['elements']} elements differ by > 1e-6, largest {m['largest']:.2e}")
     assert ours[-1] < ours[0]  # it trains, or equality would be trivial
-    assert runs["match"]["weights"] < 1e-5
+    # Every final weight within 1e-6, but for the few elements whose Lion mix is within rounding of
+    # 0 (layout_parity.count_sign_flips_allowed): each of those at most 2 lr x STEPS away.
+    assert m["differing"] <= count_sign_flips_allowed(m["elements"]), m
+    assert m["differing"] == 0 or m["largest"] <= 2e-3 * STEPS, m
 
 
 @pytest.mark.parametrize("variant", ["swapped_betas", "coupled_decay"])
@@ -46,5 +52,7 @@ def test_lion_reference_with_another_convention_fails_the_check(runs, variant):
     ours, other = runs["ours"], runs[variant]["losses"]
     with pytest.raises(AssertionError):
         assert_steps_close(ours, other, rtol=1e-5, what=f"loss, ours vs reference with {variant}")
+    # The weights check fails it too: far more elements differ than sign flips may explain.
+    assert runs[variant]["differing"] > 100 * count_sign_flips_allowed(runs[variant]["elements"]), runs[variant]
     print(f"{variant}: worst loss rel diff {max(relative_differences(ours, other)):.2e}, "
           f"weights {runs[variant]['weights']:.2e}")

@@ -14,7 +14,7 @@ import pytest
 from tests.compare import assert_steps_equal
 from tests.distributed import run_ranks
 from tests.pretrain.test_muon import needs_emerging_optimizers
-from tests.pretrain.layout_parity import assert_run_matches, train_to_checkpoint
+from tests.pretrain.layout_parity import assert_run_matches, count_sign_flips_allowed, train_to_checkpoint
 from tests.pretrain.workers import logged_losses
 
 pytestmark = [pytest.mark.distributed, needs_emerging_optimizers]
@@ -52,7 +52,9 @@ def one_rank(module_tmp_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_lion_layout_matches_one_rank(name, one_rank, tmp_path):
     got = train_to_checkpoint(2, "tiny-llama", BASE + LAYOUTS[name], tmp_path, STEPS)
-    print(assert_run_matches(got, one_rank, f"Lion {name}"))
+    elements = sum(w.numel() for w in one_rank[2].values())
+    # lr 1e-3 at most (warmup 1, then decay), STEPS steps: a flipped element ends at most 2 lr x STEPS away.
+    print(assert_run_matches(got, one_rank, f"Lion {name}", sign_flips=(count_sign_flips_allowed(elements), 2e-3 * STEPS)))
     losses = got[0]
     assert losses[-1] < losses[0]
 
