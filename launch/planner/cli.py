@@ -6,6 +6,7 @@
     python -m launch.plan --recipe gpt3-175b --gpus 1024 --recompute selective full --top 5
     python -m launch.plan --recipe llama3-70b --gpus 16 --zero 2 3 --json > plan.json
     python -m launch.plan --recipe llama3-8b --gpus 64 --calibrate runs/llama3-8b   # fit to your run
+    python -m launch.plan --recipe llama3-8b --gpus 64 --calibrate runs/a --calibrate runs/b --calibrate runs/c
 
 The command line of `launch.planner`: the search is `launch.planner.search`, the memory and
 time models `launch.planner.memory` / `launch.planner.throughput`, the tables
@@ -62,17 +63,26 @@ def _overlap_options(items: list[str], efficiency: Optional[float]) -> Throughpu
     return ThroughputOptions(efficiency=efficiency, **values)
 
 
-def _calibrated(run_dir: str, device, tput: ThroughputOptions, to_stderr: bool) -> ThroughputOptions:
-    """`tput` with the efficiencies fitted to the run in `run_dir` (launch.planner.calibrate);
-    what was fitted goes to stdout, or stderr under --json."""
+def _calibrated(run_dirs: list[str], device, tput: ThroughputOptions, to_stderr: bool,
+                portable: bool = False) -> ThroughputOptions:
+    """`tput` with the efficiencies fitted to the runs in `run_dirs` (launch.planner.calibrate:
+    one run scales the kinds by one factor, several fit each kind); what was fitted goes to
+    stdout, or stderr under --json."""
     import dataclasses
 
-    from launch.planner.calibrate import calibrate, read_run
+    from launch.planner.calibrate import calibrate, calibrate_runs, read_run
 
     if tput.efficiency is not None:
         raise PlanError("--calibrate fits the per-kind efficiencies; drop --efficiency")
-    fit = calibrate(read_run(run_dir), device, tput)
-    print(fit.describe(tput.efficiencies), file=sys.stderr if to_stderr else sys.stdout)
+    runs = [read_run(d) for d in run_dirs]
+    fit = calibrate(runs[0], device, tput) if len(runs) == 1 else calibrate_runs(runs, device, tput)
+    out = sys.stderr if to_stderr else sys.stdout
+    print(fit.describe(tput.efficiencies), file=out)
+    if any((r.config.runtime.spec == "portable") != portable for r in runs):
+        # The portable spec's attention is unfused (scores in HBM), the te spec's fused: an
+        # attention efficiency fitted on one does not describe the other.
+        print("note: the calibration runs and this plan use different layer specs (runtime.spec portable vs te): "
+              "the fitted attention efficiency is that of the runs' attention kernel", file=out)
     return dataclasses.replace(tput, efficiencies=fit.efficiencies)
 
 
@@ -113,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=fraction, default=None,
                    help="one achievable fraction of peak FLOP/s for all the math (default: per kind of work "
                         "and precision, fitted to measured runs: launch/planner/efficiency.py)")
-    p.add_argument("--calibrate", metavar="RUN_DIR",
+    p.add_argument("--calibrate", metavar="RUN_DIR", action="append",
                    help="a short run's directory (config.yaml + metrics.jsonl): fit this cluster's efficiencies "
-                        "to its step time after warm-up, print them, and plan with them")
+                        "to its step time after warm-up, print them, and plan with them; repeat it with runs of "
+                        "other shapes (seq, micro batch, layers) to fit each kind of work on its own")
     p.add_argument("--overlap", action="append", default=[], metavar="KIND=FRACTION",
                    help="fraction of a communication hidden by compute (tp, cp, ep, pp, dp, zero, offload or all); "
                         "pp applies to interleaved layouts (VPP > 1) only: Megatron-Core overlaps PP send/recv "
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise PlanError(problem)
         if args.calibrate:
-            tput = _calibrated(args.calibrate, device, tput, args.json)
+            tput = _calibrated(args.calibrate, device, tput, args.json, config.runtime.spec == "portable")
         result = rank_layouts(config, world_size=args.gpus, device=device, space=space,
                               memory_options=memory_options, throughput_options=tput)
         if not result.ranked and not args.json:

@@ -162,27 +162,37 @@ def moe_dispatch_bytes_per_token(c: Candidate) -> float:
     return 12 * m.num_experts + (3 * m.moe_router_topk + 1) * c.act_bytes * m.hidden_size
 
 
-def _time_per_token(c: Candidate, layers: float, last: bool, device: Device, opts: ThroughputOptions) -> float:
+def time_parts_per_token(c: Candidate, layers: float, last: bool, device: Device,
+                         opts: ThroughputOptions) -> dict[str, float]:
     """Seconds per token (before dividing by TP x CP) for `layers` layers forward + backward
-    (+ recompute), and on the last stage the logits and loss; each kind at its efficiency:
-      linear GEMMs 3 (X - A) [+ recompute] at gemm(dtype, fp8) of the precision's peak,
-      attention core 3 A [+ recompute] at `attention` of the BF16 peak (it never runs in FP8),
-      logits 3 Y at gemm_bf16 (Megatron's output layer is not a TE module: no FP8),
-      element-wise 3 bytes [+1 forward under full recompute] at `memory` of HBM bandwidth,
-      the loss 3 x 4 V bytes (fp32 logits written, read, gradient written)."""
+    (+ recompute), and on the last stage the logits and loss, by kind of work, each at its
+    efficiency:
+      gemm        linear GEMMs 3 (X - A) [+ recompute] at gemm(dtype, fp8) of the precision's peak,
+      attention   the core 3 A [+ recompute] at `attention` of the BF16 peak (never FP8),
+      elementwise 3 bytes [+1 forward under full recompute] at `memory` of HBM bandwidth,
+      logits      3 Y at gemm_bf16 (Megatron's output layer is not a TE module: no FP8),
+      loss        3 x 4 V bytes (fp32 logits written, read, gradient written).
+    launch.gemm_benchmark measures the same parts on a GPU."""
     eff = opts.efficiencies
     layer, logits = layer_and_logit_flops(c)
     attention = core_attention_flops(c)
     passes = {"full": 4, "selective": 3, "none": 3}[c.recompute]
     attn_passes = 3 if c.recompute == "none" else 4
     bf16 = device.peak("bf16" if c.dtype != "fp32" else "fp32")
-    t = layers * (passes * (layer - attention) / (device.peak(c.dtype, c.fp8) * eff.gemm(c.dtype, c.fp8, c.fp8_recipe))
-                  + attn_passes * attention / (bf16 * (eff.attention if c.dtype != "fp32" else eff.gemm_fp32)))
     hbm = device.hbm_gbps * 1e9 * eff.memory
-    t += layers * (passes * elementwise_bytes_per_token(c)) / hbm
-    if last:
-        t += 3 * logits / (bf16 * eff.gemm(c.dtype, False)) + 12 * c.model.padded_vocab_size / hbm
-    return t
+    return {
+        "gemm": layers * passes * (layer - attention) / (device.peak(c.dtype, c.fp8)
+                                                         * eff.gemm(c.dtype, c.fp8, c.fp8_recipe)),
+        "attention": layers * attn_passes * attention / (bf16 * (eff.attention if c.dtype != "fp32" else eff.gemm_fp32)),
+        "elementwise": layers * passes * elementwise_bytes_per_token(c) / hbm,
+        "logits": 3 * logits / (bf16 * eff.gemm(c.dtype, False)) if last else 0.0,
+        "loss": 12 * c.model.padded_vocab_size / hbm if last else 0.0,
+    }
+
+
+def _time_per_token(c: Candidate, layers: float, last: bool, device: Device, opts: ThroughputOptions) -> float:
+    """The sum of time_parts_per_token."""
+    return sum(time_parts_per_token(c, layers, last, device, opts).values())
 
 
 def stage_compute_s(c: Candidate, stage: int, device: Device, opts: ThroughputOptions) -> float:
