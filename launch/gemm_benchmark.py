@@ -25,7 +25,6 @@ Results: a table on stdout, one JSON line per measurement appended to --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import statistics
@@ -35,32 +34,11 @@ import time
 import torch
 
 from data_pipeline.checks import positive_int, run_cli
-
-
-@dataclasses.dataclass(frozen=True)
-class Gemm:
-    """Y[M, N] = X[M, K] W[K, N] on one rank; backward is dX = dY W^T and dW = X^T dY."""
-    name: str
-    m: int
-    k: int
-    n: int
-
-    @property
-    def flops(self) -> float:  # one pass
-        return 2.0 * self.m * self.k * self.n
-
-
-def layer_gemms(model, tp: int, tokens: int) -> list[Gemm]:
-    """One dense layer's linear GEMMs on one TP rank (QKV and fc1 column-parallel, the
-    attention output and fc2 row-parallel), for `tokens` tokens."""
-    h, d = model.hidden_size, model.head_dim
-    qkv = (model.num_attention_heads + 2 * model.query_groups) * d
-    f = model.ffn_hidden_size
-    return [Gemm("qkv", tokens, h, qkv // tp), Gemm("attn-out", tokens, model.num_attention_heads * d // tp, h),
-            Gemm("fc1", tokens, h, (2 if model.gated else 1) * f // tp), Gemm("fc2", tokens, f // tp, h)]
+from launch.planner.gemms import Gemm, layer_gemms
 
 
 def output_gemm(model, tp: int, tokens: int) -> Gemm:
+    """The output layer's GEMM on one rank (vocabulary split over TP)."""
     return Gemm("output-layer", tokens, model.hidden_size, model.padded_vocab_size // tp)
 
 
@@ -110,11 +88,11 @@ def gemm_fn(m: int, k: int, n: int, precision: str, device: torch.device):
 
 
 def time_gemm(g: Gemm, precision: str, timer: Timer) -> dict[str, float]:
-    """Seconds of the forward, input-gradient and weight-gradient GEMMs of `g`."""
-    shapes = {"fwd": (g.m, g.k, g.n), "dgrad": (g.m, g.n, g.k), "wgrad": (g.k, g.m, g.n)}
+    """Seconds of the forward, input-gradient and weight-gradient GEMMs of `g` (x its count:
+    local experts run one after another, not as one grouped GEMM)."""
     out = {}
-    for name, (m, k, n) in shapes.items():
-        out[name] = timer(gemm_fn(m, k, n, precision, timer.device))
+    for name, (m, k, n) in zip(("fwd", "dgrad", "wgrad"), g.passes(), strict=True):
+        out[name] = g.count * timer(gemm_fn(round(m), round(k), round(n), precision, timer.device))
         torch.cuda.empty_cache() if timer.device.type == "cuda" else None
     return out
 
@@ -172,9 +150,10 @@ def measure_model(args, precision: str, timer: Timer, peak: dict[str, float]) ->
     c = _candidate(args, precision)
     tokens = args.seq * args.micro_batch
     records = []
-    for g in layer_gemms(c.model, args.tp, tokens):
+    for g in layer_gemms(c):
         for pass_, s in time_gemm(g, precision, timer).items():
-            records.append({"part": "layer-gemm", "name": f"{g.name}.{pass_}", "m": g.m, "k": g.k, "n": g.n,
+            records.append({"part": "layer-gemm", "name": f"{g.name}.{pass_}", "m": round(g.m), "k": round(g.k),
+                            "n": round(g.n), "count": g.count,
                             "precision": precision, "s": s, "tflops": g.flops / s / 1e12})
     act = torch.float32 if precision == "fp32" else torch.bfloat16
     attn = time_attention(c.model, args.tp, args.seq, args.micro_batch, timer, act)

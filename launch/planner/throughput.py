@@ -29,6 +29,7 @@ from launch.planner.candidate import Candidate
 from launch.planner.devices import Device
 from launch.planner import muon as _muon
 from launch.planner.efficiency import DEFAULT_EFFICIENCIES, Efficiencies
+from launch.planner.gemms import linear_gemm_factor
 from launch.planner.layers import mixed_layers, moe_layers_on_stage, stage_layer_kinds
 from launch.planner.memory import edge_stages, host_bytes, params_on_rank
 from models.flops import forward_flops_per_token, mtp_layer_is_moe, training_flops_per_step
@@ -168,6 +169,7 @@ def time_parts_per_token(c: Candidate, layers: float, last: bool, device: Device
     (+ recompute), and on the last stage the logits and loss, by kind of work, each at its
     efficiency:
       gemm        linear GEMMs 3 (X - A) [+ recompute] at gemm(dtype, fp8) of the precision's peak,
+                  times the narrow-GEMM factor of the layer's shapes (launch.planner.gemms),
       attention   the core 3 A [+ recompute] at `attention` of the BF16 peak (never FP8),
       elementwise 3 bytes [+1 forward under full recompute] at `memory` of HBM bandwidth,
       logits      3 Y at gemm_bf16 (Megatron's output layer is not a TE module: no FP8),
@@ -180,9 +182,13 @@ def time_parts_per_token(c: Candidate, layers: float, last: bool, device: Device
     attn_passes = 3 if c.recompute == "none" else 4
     bf16 = device.peak("bf16" if c.dtype != "fp32" else "fp32")
     hbm = device.hbm_gbps * 1e9 * eff.memory
+    # Narrow GEMMs (small experts, expert TP, few tokens per expert) run below the fitted
+    # efficiency, which describes layers >= 2048 wide (launch.planner.gemms).
+    precision = "fp8" if c.fp8 else ("fp32" if c.dtype == "fp32" else "bf16")
+    narrow = linear_gemm_factor(c, (layer - attention) * c.seq_length * c.micro_batch / (c.tp * c.cp), precision)
     return {
         "gemm": layers * passes * (layer - attention) / (device.peak(c.dtype, c.fp8)
-                                                         * eff.gemm(c.dtype, c.fp8, c.fp8_recipe)),
+                                                         * eff.gemm(c.dtype, c.fp8, c.fp8_recipe) * narrow),
         "attention": layers * attn_passes * attention / (bf16 * (eff.attention if c.dtype != "fp32" else eff.gemm_fp32)),
         "elementwise": layers * passes * elementwise_bytes_per_token(c) / hbm,
         "logits": 3 * logits / (bf16 * eff.gemm(c.dtype, False)) if last else 0.0,
