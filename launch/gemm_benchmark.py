@@ -5,8 +5,8 @@ part, beside what the planner charges for them.
     python -m launch.gemm_benchmark --sweep --precision bf16 fp8     # narrow GEMMs
 
 For one rank of a model at a tensor-parallel size (sequence parallel: the GEMMs see the whole
-sequence), it times each linear layer's three GEMMs (forward, input gradient, weight gradient)
-with cuBLAS through torch (`torch.matmul` in BF16; `torch._scaled_mm` with per-tensor scales
+sequence), it times each linear layer's three GEMMs (forward, input gradient, weight gradient; replayed
+from a CUDA graph, so no host launch cost shows) with cuBLAS through torch (`torch.matmul` in BF16; `torch._scaled_mm` with per-tensor scales
 for FP8, what Transformer Engine's tensorwise recipe calls), the attention core with
 `scaled_dot_product_attention` (causal, flash kernel, forward + backward), and the last stage's
 extras: the output layer's three BF16 GEMMs and the fp32 cross entropy over the rank's vocabulary
@@ -16,8 +16,9 @@ extras in layers", the number that decides whether an uneven pipeline split pays
 
 Not measured: the element-wise kernels (norms, SwiGLU, RoPE), FP8 casts and amax
 reductions, communication: a real step is slower than the sum of these parts.
-`--sweep` times forward GEMMs of 8192 tokens with one narrow side (128 to 16384), the shapes
-of expert-parallel or expert-tensor-parallel MoE layers. CPU (`--device cpu`, fp32) runs
+`--sweep` times forward GEMMs with one narrow side (128 to 16384: the output's N, the reduction
+K, or the tokens M) and the others 8192, the shapes of MoE experts (expert tensor parallelism
+narrows N and K, few tokens per expert narrow M). CPU (`--device cpu`, fp32) runs
 the same code on small shapes (the tests); the numbers that matter come from a GPU.
 Results: a table on stdout, one JSON line per measurement appended to --out.
 """
@@ -48,9 +49,14 @@ class Timer:
     def __init__(self, device: torch.device, iters: int = 10, windows: int = 5):
         self.device, self.iters, self.windows = device, iters, windows
 
-    def __call__(self, fn) -> float:
+    def __call__(self, fn, graph: bool = False) -> float:
+        """`graph`: on a GPU, capture the `iters` calls in one CUDA graph and time its replays,
+        so the host's launch cost (10-30 us a call from Python) cannot idle the GPU between
+        small kernels: what a grouped GEMM or a captured step would see."""
         for _ in range(3):
             fn()
+        if graph and self.device.type == "cuda":
+            return self._graphed(fn)
         samples = []
         for _ in range(self.windows):
             if self.device.type == "cuda":
@@ -66,6 +72,24 @@ class Timer:
                 for _ in range(self.iters):
                     fn()
                 samples.append((time.perf_counter() - t0) / self.iters)
+        return statistics.median(samples)
+
+
+    def _graphed(self, fn) -> float:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(self.iters):
+                fn()
+        g.replay()
+        samples = []
+        for _ in range(self.windows):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / self.iters)
         return statistics.median(samples)
 
 
@@ -92,7 +116,7 @@ def time_gemm(g: Gemm, precision: str, timer: Timer) -> dict[str, float]:
     local experts run one after another, not as one grouped GEMM)."""
     out = {}
     for name, (m, k, n) in zip(("fwd", "dgrad", "wgrad"), g.passes(), strict=True):
-        out[name] = g.count * timer(gemm_fn(round(m), round(k), round(n), precision, timer.device))
+        out[name] = g.count * timer(gemm_fn(round(m), round(k), round(n), precision, timer.device), graph=True)
         torch.cuda.empty_cache() if timer.device.type == "cuda" else None
     return out
 
@@ -192,8 +216,9 @@ def sweep(args, precision: str, timer: Timer, peak: dict[str, float]) -> list[di
     records = []
     for narrow in args.sweep_sizes:
         for side, (m, k, n) in (("narrow N", (args.sweep_tokens, args.sweep_wide, narrow)),
-                                ("narrow K", (args.sweep_tokens, narrow, args.sweep_wide))):
-            s = timer(gemm_fn(m, k, n, precision, timer.device))
+                                ("narrow K", (args.sweep_tokens, narrow, args.sweep_wide)),
+                                ("narrow M", (narrow, args.sweep_wide, args.sweep_tokens))):
+            s = timer(gemm_fn(m, k, n, precision, timer.device), graph=True)
             tflops = 2.0 * m * k * n / s / 1e12
             records.append({"part": "sweep", "name": side, "m": m, "k": k, "n": n, "precision": precision, "s": s,
                             "tflops": tflops, "fraction_of_peak": tflops / peak[precision]})

@@ -7,12 +7,16 @@ experts (Qwen3-30B-A3B's 768), a few tokens per expert, or a small model at high
 
 Measured on one H200 (2026-11-30, torch 2.11 + cuBLAS through `torch.matmul` and
 `torch._scaled_mm`, tests/launch/fixtures/h200-runs/gemm-h200.jsonl):
-`python -m launch.gemm_benchmark --sweep --precision bf16 fp8` times Y[8192, N] = X[8192, K]
-W[K, N] with one side narrow and the other 8192. Each factor below is that GEMM's fraction of
-peak over the median of the sweep's wide GEMMs (no side under 2048: BF16 69.7%, FP8 62.4% of
-peak), capped at 1; from 2048 on it is 1 (the wide GEMMs scatter by +-8% there, and the fitted
-efficiencies already describe layers that wide). An output side (M or N) and the reduction side (K) are measured apart: K hurts more
-(FP8 at K=256 reaches 22% of peak, at N=256 54%). A GEMM with a narrow output side and a
+`python -m launch.gemm_benchmark --sweep --precision bf16 fp8` times Y[M, N] = X[M, K] W[K, N]
+with one side narrow and the others 8192, each GEMM replayed from a CUDA graph (no host launch
+cost). Each factor below is that GEMM's fraction of peak over the median of the sweep's wide
+GEMMs (no side under 2048: BF16 69.0%, FP8 64.0% of peak), capped at 1; from 2048 on it is 1
+(the wide GEMMs scatter by +-7% there, and the fitted efficiencies already describe layers that
+wide). An output side (M or N: the two measured within 2 points of each other) and the
+reduction side (K) are measured apart: K hurts more (FP8 at K=256 reaches 23% of peak, at
+N=256 61%). GEMMs small in every side run slower than these factors say: Qwen3-30B-A3B's
+experts at EP8 (2048 x 2048 x 1536 and 2048 x 768 x 2048) reached 51% and 35-43% of the FP8 peak,
+where the factors give 64% and 47%. A GEMM with a narrow output side and a
 narrow K gets both factors (not measured together). Between measured widths the factor is
 interpolated in log(width); below the narrowest it falls in proportion to the width.
 tests/launch/test_planner_gemms.py recomputes the tables from the recorded sweep.
@@ -27,8 +31,8 @@ import math
 WIDTHS = (128, 256, 512, 1024, 2048)
 # precision -> side -> factor at each of WIDTHS (1 from the last width on).
 NARROW_FACTORS: dict[str, dict[str, tuple[float, ...]]] = {
-    "bf16": {"out": (0.595, 0.962, 1.0, 1.0, 1.0), "k": (0.473, 0.729, 0.894, 1.0, 1.0)},
-    "fp8": {"out": (0.496, 0.863, 0.986, 1.0, 1.0), "k": (0.208, 0.35, 0.617, 0.846, 1.0)},
+    "bf16": {"out": (0.682, 1.0, 1.0, 1.0, 1.0), "k": (0.508, 0.778, 0.94, 1.0, 1.0)},
+    "fp8": {"out": (0.592, 0.947, 1.0, 1.0, 1.0), "k": (0.203, 0.357, 0.619, 0.831, 1.0)},
 }
 
 

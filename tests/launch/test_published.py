@@ -133,12 +133,12 @@ def test_every_fastest_row_is_a_case_below():
 # The same pricing moved the 405B from 1st to 11th of 1136: layouts whose last stage holds 2
 # layers fewer than the others (compute 11.50 s) lead the published one, whose loss takes one
 # layer's slot (compute 11.67 s). Pricing narrow GEMMs (launch.planner.gemms: TP8 x CP8 layouts'
-# 1024-wide attention output in FP8) moved the 70B to 214th and the 405B to 6th of 1136 (0.9%
+# 1024-wide attention output in FP8) moved the 70B to 207th and the 405B to 6th of 1136 (0.9%
 # behind TP8 x PP32 x VPP2 x CP4 with a last stage of 2; 17th of 1134 at GBS 1536, 2.3%). The logits' price is measured, not only modelled: on one H200 the
-# 70B TP4 last stage's output layer + loss took 2.10 layers' GEMMs + attention in FP8, the
+# 70B TP4 last stage's output layer + loss took 2.14 layers' GEMMs + attention in FP8, the
 # planner charges 2.28 (test_gemm_benchmark, fixtures/h200-runs): the gap is not a mispriced
 # last stage. Strict: when a change fixes either, its xfail fails; drop it.
-_GAP_70B = ("70B TP4xPP8xVPP5 ranks 214th of 1121 (recipe's settings), 44th of 836 (ours): the last stage's logits "
+_GAP_70B = ("70B TP4xPP8xVPP5 ranks 207th of 1121 (recipe's settings), 44th of 836 (ours): the last stage's logits "
             "(2.1 layers, as one H200 measured them)")
 _GAP_405B = ("405B TP8xPP8xVPP8xCP2 + emb/loss split ranks 6th of 1136 (recipe's settings, 0.9% behind): uneven "
              "layouts with a last stage 2 layers lighter lead, the logits priced at ~2 FP8 layers")
