@@ -36,8 +36,9 @@ def assert_run_matches(got: tuple, want: tuple, what: str, rtol: float = 1e-5, a
     worst = assert_steps_close(losses, want_losses, rtol=rtol, what=f"{what} loss vs one rank")
     worst_norm = assert_steps_close(norms, want_norms, rtol=rtol, what=f"{what} grad norm vs one rank")
     assert weights.keys() == want_weights.keys() and any("decoder.layers" in k for k in weights)
-    worst_weight, where = max(((weights[k] - want_weights[k]).abs().max().item(), k) for k in weights)
-    over = sum(int(((weights[k] - want_weights[k]).abs() > atol).sum()) for k in weights)
+    diffs = {k: (weights[k] - want_weights[k]).abs() for k in weights}
+    worst_weight, where = max((d.max().item(), k) for k, d in diffs.items())
+    over = sum(int((d > atol).sum()) for d in diffs.values())
     allowed, bound = sign_flips
     assert over <= allowed and (over == 0 or worst_weight <= bound), (
         f"{what}: final weight {where} differs by {worst_weight:.2e} from one rank's; {over} elements differ by "

@@ -40,8 +40,9 @@ def run_ours_and_references(recipe: str, overrides: list[str]) -> dict:
             losses, weights = _reference_loop(_fresh_model(config, initial), batches, config, steps,
                                               swap_betas=swap, coupled_decay=coupled)
             assert sorted(weights) == sorted(ours_weights)
-            worst = max(((ours_weights[n] - w).norm() / w.norm()).item() for n, w in weights.items())
-            diffs = torch.cat([(ours_weights[n] - w).abs().flatten() for n, w in weights.items()])
+            deltas = {n: ours_weights[n] - w for n, w in weights.items()}
+            worst = max((deltas[n].norm() / w.norm()).item() for n, w in weights.items())
+            diffs = torch.cat([d.abs().flatten() for d in deltas.values()])
             result[name] = {"losses": losses, "weights": worst, "elements": diffs.numel(),
                             "differing": int((diffs > 1e-6).sum()), "largest": diffs.max().item()}
         return result
