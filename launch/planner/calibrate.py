@@ -101,6 +101,11 @@ def run_kinds(c: Candidate) -> tuple[str, ...]:
     return (gemm, "attention", "memory") + (("gemm_bf16",) if c.fp8 else ())
 
 
+def _step_s(c: Candidate, device: Device, opts: ThroughputOptions, eff: Efficiencies) -> float:
+    """The planner's step time of `c` with efficiencies `eff` (per kind, no single --efficiency)."""
+    return estimate_step(c, device, dataclasses.replace(opts, efficiencies=eff, efficiency=None)).step_s
+
+
 def calibrate(run: RunMeasurement, device: Device, opts: ThroughputOptions = ThroughputOptions()) -> Calibration:
     """The factor on the run's efficiencies at which the planner's step time equals the
     measured median (bisection in log space; refused when no efficiency <= 1 gets there)."""
@@ -110,8 +115,7 @@ def calibrate(run: RunMeasurement, device: Device, opts: ThroughputOptions = Thr
     target = run.median_step_s
 
     def step(factor: float) -> float:
-        eff = start.scaled(factor, kinds)
-        return estimate_step(c, device, dataclasses.replace(opts, efficiencies=eff, efficiency=None)).step_s
+        return _step_s(c, device, opts, start.scaled(factor, kinds))
 
     before = step(1.0)
     top = min(1.0 / getattr(start, k) for k in kinds)  # every scaled kind at most 1
@@ -164,8 +168,8 @@ def _least_squares(runs, candidates, kinds, device, opts) -> Efficiencies:
         return dataclasses.replace(opts.efficiencies, **dict(zip(kinds, x, strict=True)))
 
     def residuals(x):
-        o = dataclasses.replace(opts, efficiencies=efficiencies(x), efficiency=None)
-        return [math.log(estimate_step(c, device, o).step_s / r.median_step_s) for r, c in zip(runs, candidates)]
+        eff = efficiencies(x)
+        return [math.log(_step_s(c, device, opts, eff) / r.median_step_s) for r, c in zip(runs, candidates)]
 
     x0 = [getattr(opts.efficiencies, k) for k in kinds]
     return efficiencies(least_squares(residuals, x0, bounds=([0.001] * len(kinds), [1.0] * len(kinds))).x)
@@ -184,16 +188,12 @@ def calibrate_runs(runs: list[RunMeasurement], device: Device,
         raise CalibrationError("the runs have the same shape: a per-kind fit needs runs that differ in seq_length, "
                                "micro_batch_size or num_layers")
     eff = _least_squares(runs, candidates, kinds, device, opts)
-
-    def predict(e: Efficiencies, c: Candidate) -> float:
-        return estimate_step(c, device, dataclasses.replace(opts, efficiencies=e, efficiency=None)).step_s
-
     left_out = None
     if len(runs) > len(kinds):
         left_out = []
         for i, c in enumerate(candidates):
             rest = [j for j in range(len(runs)) if j != i]
             e = _least_squares([runs[j] for j in rest], [candidates[j] for j in rest], kinds, device, opts)
-            left_out.append(predict(e, c))
+            left_out.append(_step_s(c, device, opts, e))
     return MultiCalibration(runs=runs, candidates=candidates, kinds=kinds, efficiencies=eff,
-                            predicted_s=[predict(eff, c) for c in candidates], left_out_s=left_out)
+                            predicted_s=[_step_s(c, device, opts, eff) for c in candidates], left_out_s=left_out)
